@@ -1,0 +1,40 @@
+# The README's commands. Everything lives in a local virtual environment (.venv).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PORT   ?= 8888
+# torch: a GPU box (nvidia-smi works) gets PyPI's default CUDA build; a machine
+# without a GPU gets TORCH_CPU (override e.g. TORCH_CPU="torch --index-url
+# https://download.pytorch.org/whl/cpu" for a smaller CPU-only download).
+TORCH_GPU ?= torch
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: course test setup demo doctor exercises clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: installing $(TORCH_GPU)"; $(PY) -m pip install -q $(TORCH_GPU); \
+	else \
+		echo "no GPU found: installing $(TORCH_CPU) (lessons run on 2 CPU ranks over gloo)"; \
+		$(PY) -m pip install -q $(TORCH_CPU); \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+course: setup  ## set up, then open JupyterLab on lesson 00 (loopback only)
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(PORT) lessons/00_setup.ipynb
+
+test: setup  ## set up, then run every test and execute every lesson and solution notebook
+	$(PY) -m pytest tests lessons solutions --nbval-lax --nbval-current-env
+
+demo: setup
+	$(VENV)/bin/dpcourse demo
+
+doctor: setup
+	$(VENV)/bin/dpcourse doctor
+
+clean:
+	rm -rf $(VENV) .pytest_cache

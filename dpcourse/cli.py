@@ -1,0 +1,129 @@
+"""The ``dpcourse`` command: ``doctor``, ``launch``, ``demo`` and friends.
+
+Each subcommand lives in the module that owns its concept; this file only
+parses arguments and dispatches, importing heavy modules lazily so that
+``dpcourse --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+
+
+def doctor(args: argparse.Namespace) -> int:
+    """Print what this machine offers: versions, devices, backends, and what run() would pick."""
+    import torch
+    import torch.distributed as dist
+
+    from dpcourse.launch import resolve_backend
+
+    rows = [
+        ("python", platform.python_version()),
+        ("platform", platform.platform()),
+        ("torch", torch.__version__),
+        ("cpu cores", str(os.cpu_count())),
+        ("distributed", str(dist.is_available())),
+        ("gloo", str(dist.is_gloo_available())),
+        ("nccl", str(dist.is_nccl_available())),
+        ("cuda available", str(torch.cuda.is_available())),
+    ]
+    if torch.cuda.is_available():
+        rows.append(("cuda runtime", str(torch.version.cuda)))
+        if dist.is_nccl_available():
+            rows.append(("nccl version", ".".join(map(str, torch.cuda.nccl.version()))))
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            rows.append((f"cuda:{i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB"))
+    backend, world_size = resolve_backend("auto", None)
+    rows.append(("dpcourse.run default", f"backend={backend}, world_size={world_size}"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    if args.check:
+        import dpcourse
+
+        def hello() -> int:
+            import torch.distributed as d
+
+            t = torch.ones(1, device="cuda" if d.get_backend() == "nccl" else "cpu")
+            d.all_reduce(t)
+            return int(t.item())
+
+        sums = dpcourse.run(hello)
+        ok = all(s == world_size for s in sums)
+        print(f"{'all_reduce check':<{width}}  {'ok' if ok else 'WRONG'} ({sums})")
+        return 0 if ok else 1
+    return 0
+
+
+def _has_any(argv: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+
+
+def torchrun_command(argv: list[str]) -> list[str]:
+    """Build the torchrun command for ``dpcourse launch``: torchrun's own arguments pass through.
+
+    When nothing says how many processes or where to meet, default to one
+    process per GPU (2 on a CPU-only machine) and a standalone rendezvous on
+    this host.
+    """
+    import torch
+
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if not _has_any(argv, "--nproc-per-node", "--nproc_per_node"):
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        cmd.append(f"--nproc-per-node={gpus or 2}")
+    multi_node = _has_any(argv, "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint",
+                          "--master-addr", "--master_addr", "--standalone")
+    if not multi_node:
+        cmd.append("--standalone")
+    return cmd + argv
+
+
+def launch(args: argparse.Namespace) -> int:
+    cmd = torchrun_command(args.torchrun_args)
+    print("+ " + " ".join(cmd), file=sys.stderr)
+    return subprocess.call(cmd)
+
+
+def demo(args: argparse.Namespace) -> int:
+    from dpcourse import demo as demo_mod
+
+    return demo_mod.cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpcourse", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("doctor", help="report devices, backends and versions")
+    p.add_argument("--check", action="store_true", help="also run a 1-element all-reduce")
+    p.set_defaults(func=doctor)
+
+    p = sub.add_parser(
+        "launch", help="run a script on several processes via torchrun",
+        description="Run a training script via torchrun. Every argument is torchrun's: "
+        "e.g. `dpcourse launch --nproc-per-node 2 train.py`. Without --nproc-per-node, one "
+        "process per GPU (2 on CPU); without --nnodes/--rdzv-endpoint, a standalone rendezvous.")
+    p.add_argument("torchrun_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=launch)
+
+    p = sub.add_parser("demo", help="train a small model data-parallel and compare with torch DDP")
+    p.add_argument("--world-size", type=int, default=None)
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--steps", type=int, default=20)
+    p.set_defaults(func=demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
