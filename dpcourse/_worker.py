@@ -3,6 +3,23 @@
 The worker is a fresh interpreter (never a fork), so CUDA state of the parent
 cannot leak in and a function defined in a notebook cell arrives by value
 (cloudpickle) instead of by a ``__main__`` reference the child could not import.
+
+Protocol with the launching process (see :mod:`dpcourse.launch`):
+
+* ``WORKDIR/payload.pkl`` holds the call and the launch settings;
+* the rank creates ``WORKDIR/rank{r}.joined`` once it is in the process group
+  (the launcher's timeout counts from when every rank has joined);
+* the rank writes ``WORKDIR/rank{r}.result`` (atomically) when ``fn`` returned
+  or raised, then *waits*: a rank that finished early keeps its process group
+  alive, so a peer still inside a collective keeps waiting (a hang the launcher
+  can name) instead of failing with an echo such as "connection closed by peer";
+* the launcher writes ``exit`` on stdin once every rank has a result; the rank
+  then destroys its process group and leaves with ``os._exit``;
+* EOF on stdin means the launcher died: the rank exits at once;
+* on SIGUSR1 the rank writes every thread's Python stack to ``WORKDIR/rank{r}.stack``.
+
+Only the standard library is imported at module level: torch is the one heavy
+import a rank needs, and it is loaded when the process group is created.
 """
 
 from __future__ import annotations
@@ -15,48 +32,66 @@ import threading
 import time
 import traceback
 
+EXIT_PARENT_DIED = 3
 
-def _exit_when_parent_dies() -> None:
-    """Exit as soon as the launching process goes away.
 
-    The parent holds the write end of our stdin; EOF means it died (kernel
-    restart, kill -9), and a rank must never outlive it as an orphan.
+def _watch_parent(parent_pid: int) -> threading.Event:
+    """Exit when the launcher goes away; return the event set when it says ``exit``.
+
+    The launcher holds the write end of our stdin: EOF means it died (kernel
+    restart, ``kill -9``), and a rank must never outlive it as an orphan. On
+    Linux the kernel also sends SIGKILL when the parent dies, which works even
+    while this interpreter is stuck in C code holding the GIL.
     """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:  # noqa: BLE001, S110 - the stdin watch below still works
+            pass
+    if os.getppid() != parent_pid:  # died before the line above took effect
+        os._exit(EXIT_PARENT_DIED)
+    release = threading.Event()
 
     def watch() -> None:
         try:
-            while sys.stdin.buffer.read(1):
-                pass
-        except Exception:
+            for line in sys.stdin.buffer:
+                if line.strip() == b"exit":
+                    release.set()
+        except Exception:  # noqa: BLE001, S110 - a failed read means the parent is gone
             pass
-        os._exit(3)
+        os._exit(EXIT_PARENT_DIED)
 
     threading.Thread(target=watch, name="dpcourse-parent-watch", daemon=True).start()
+    return release
 
 
 def _write(path: str, payload: dict) -> None:
     import cloudpickle
 
+    data = cloudpickle.dumps(payload)  # fails before anything is written
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(cloudpickle.dumps(payload))
-    os.replace(tmp, path)  # the parent only ever sees a complete file
+        f.write(data)
+    os.replace(tmp, path)  # the launcher only ever sees a complete file
 
 
 def _to_cpu(obj):
     """Move tensors in a (nested) result to the CPU so the parent never touches CUDA."""
-    import torch
-
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return obj
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+    if type(obj) in (list, tuple):
         return type(obj)(_to_cpu(x) for x in obj)
-    if isinstance(obj, dict) and type(obj) is dict:
+    if type(obj) is dict:
         return {k: _to_cpu(v) for k, v in obj.items()}
     return obj
 
 
-def _init_process_group(spec: dict, rank: int):
+def _init_process_group(spec: dict, rank: int) -> None:
     import datetime
 
     import torch
@@ -74,53 +109,86 @@ def _init_process_group(spec: dict, rank: int):
         # Ranks share the CPU cores: without this each one starts a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     store = dist.TCPStore(spec["host"], spec["port"], world_size=None, is_master=False,
-                          timeout=datetime.timedelta(seconds=spec["timeout"]))
+                          timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
     store = dist.PrefixStore(spec["prefix"], store)
     dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=spec["timeout"]), **kwargs)
+                            timeout=datetime.timedelta(seconds=spec["pg_timeout"]), **kwargs)
 
 
-def main(workdir: str, rank: int) -> None:
-    _exit_when_parent_dies()
-    # On SIGUSR1 (sent by the parent at a timeout) print every thread's stack,
-    # so the learner sees which collective each rank was stuck in.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    result_path = os.path.join(workdir, f"rank{rank}.result")
+def _failure(exc: BaseException, phase: str) -> dict:
+    tb = exc.__traceback__
+    if phase == "run" and tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # start at the learner's function, not at the line calling it
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return {"ok": False, "time": time.time(), "phase": phase, "type": type(exc).__name__,
+            "message": str(exc), "traceback": text}
+
+
+def _call(workdir: str, rank: int, result_path: str) -> bool:
+    """Load the call, join the group, run ``fn`` and write the result; True if it returned."""
+    import pickle
+
+    phase = "load"
     try:
-        import pickle
-
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             spec = pickle.load(f)
         sys.path[:] = spec["sys_path"]
         fn, args, kwargs = pickle.loads(spec["call"])
+        phase = "init"
         _init_process_group(spec, rank)
+        open(os.path.join(workdir, f"rank{rank}.joined"), "w").close()
+        phase = "run"
         value = _to_cpu(fn(*args, **kwargs))
+        phase = "result"
         try:
             _write(result_path, {"ok": True, "value": value})
         except Exception as exc:  # the value itself could not be pickled
             raise TypeError(
                 f"the function returned a {type(value).__name__} that cannot be sent back to the "
-                f"launching process ({exc}). Return tensors, numbers, strings, lists or dicts."
+                f"launching process ({type(exc).__name__}: {exc}). Return tensors, numbers, "
+                "strings, lists or dicts of them."
             ) from exc
+        return True
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        _write(result_path, {"ok": False, "time": time.time(), "type": type(exc).__name__,
-                             "message": str(exc), "traceback": traceback.format_exc()})
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _write(result_path, _failure(exc, phase))
+        return False
+
+
+def main(workdir: str, rank: int, parent_pid: int) -> None:
+    release = _watch_parent(parent_pid)
+    # On SIGUSR1 (sent by the launcher at a timeout) write every thread's stack,
+    # so the learner sees which collective each rank was stuck in. faulthandler
+    # writes from C, so it works while the main thread is blocked in gloo/NCCL.
+    # Open for the life of the process: faulthandler writes to it from C.
+    stack_file = open(os.path.join(workdir, f"rank{rank}.stack"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    returned = _call(workdir, rank, os.path.join(workdir, f"rank{rank}.result"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not returned:
+        # Stay alive (process group intact) until the launcher stops every rank:
+        # exiting now would make the peers fail with "connection closed" echoes.
+        release.wait()
         os._exit(1)
-    # A controlled exit: tear the process group down while the interpreter is
-    # intact, then skip finalization, where gloo threads still holding tensors
-    # can abort the process ("terminate called without an active exception").
+    release.wait()
+    # A controlled exit, once every rank is done: tear the process group down
+    # while the interpreter is intact, then skip finalization, where gloo
+    # threads still holding tensors can abort the process ("terminate called
+    # without an active exception").
+    code = 0
     try:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported through the exit status
+        traceback.print_exc()
+        code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import sys
 
 
@@ -53,7 +52,11 @@ def doctor(args: argparse.Namespace) -> int:
             d.all_reduce(t)
             return int(t.item())
 
-        sums = dpcourse.run(hello)
+        try:
+            sums = dpcourse.run(hello, timeout=60)
+        except (dpcourse.RankError, dpcourse.RankDiedError, dpcourse.RankTimeoutError) as exc:
+            print(f"{'all_reduce check':<{width}}  FAILED\n{exc}")
+            return 1
         ok = all(s == world_size for s in sums)
         print(f"{'all_reduce check':<{width}}  {'ok' if ok else 'WRONG'} ({sums})")
         return 0 if ok else 1
@@ -85,9 +88,24 @@ def torchrun_command(argv: list[str]) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
+    """Run torchrun with the arguments of ``dpcourse launch``; return its exit status.
+
+    torchrun runs inside this process (the command printed is its equivalent):
+    torch is imported once for the agent instead of once here and once more in
+    a torchrun process. Note that torchrun's rendezvous stores listen on every
+    network interface, also with ``--standalone``; ``dpcourse.run`` keeps its
+    store on loopback.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
     cmd = torchrun_command(args.torchrun_args)
     print("+ " + " ".join(cmd), file=sys.stderr)
-    return subprocess.call(cmd)
+    try:
+        torchrun_main(cmd[3:])  # after "python -m torch.distributed.run"
+    except ChildFailedError:
+        return 1  # torchrun has already printed which rank failed and why
+    return 0
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -117,10 +135,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--steps", type=int, default=20)
     p.set_defaults(func=demo)
+
+    from dpcourse.bench.cli import add_parser as add_bench_parser  # argparse only, no torch
+
+    add_bench_parser(sub)
+
+    p = sub.add_parser("grade", help="run exercise notebooks headless and print a score table")
+    p.add_argument("paths", nargs="+", help="notebooks or folders of notebooks")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per notebook")
+    p.set_defaults(func=lambda a: __import__("dpcourse.grading.autograde", fromlist=["cli"]).cli(a))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):
+        # argparse's REMAINDER refuses leading options such as --nproc-per-node:
+        # hand everything after "launch" to torchrun untouched.
+        rest = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+        return int(launch(argparse.Namespace(torchrun_args=rest)) or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

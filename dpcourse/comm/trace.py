@@ -12,6 +12,7 @@ from C++ (torch DDP's reducer).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -112,6 +113,10 @@ class CommTrace:
         self.marks: list[tuple[str, float]] = []
         self._saved: dict[str, object] = {}
         self._t0 = 0.0
+        # Per thread (autograd runs GPU hooks on its own threads): how deep we are
+        # inside traced calls. torch's blocking ``send`` calls ``isend`` itself, and
+        # only the outermost call is the learner's.
+        self._depth = threading.local()
 
     # -- recording -------------------------------------------------------
     def now(self) -> float:
@@ -128,6 +133,8 @@ class CommTrace:
         spec = TRACED_OPS[name]
 
         def traced(*args, **kwargs):
+            if getattr(self._depth, "n", 0):
+                return original(*args, **kwargs)
             nbytes = _tensor_arg(args, kwargs, spec) or 0
             peer = None
             if name in POINT_TO_POINT:
@@ -136,7 +143,11 @@ class CommTrace:
                     peer = kwargs.get("group_dst", kwargs.get("group_src"))
             event = CommEvent(name, int(nbytes), self.now(), None, peer=peer)
             self.events.append(event)
-            work = original(*args, **kwargs)
+            self._depth.n = 1
+            try:
+                work = original(*args, **kwargs)
+            finally:
+                self._depth.n = 0
             if work is None:
                 event.end = self.now()
                 return work

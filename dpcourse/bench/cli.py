@@ -1,0 +1,211 @@
+"""``dpcourse bench allreduce|ddp``: run a benchmark, print a table, write JSON and a plot."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+
+SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"4096"``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"1G"`` (binary units) into bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (use e.g. 4096, 4K, 64KiB, 1M, 1G).")
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+
+
+def parse_list(kind):
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    return parse
+
+
+def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:
+    """Return ``lo, lo*factor, ...`` up to ``hi`` (inclusive)."""
+    if lo < 1 or hi < lo or factor < 2:
+        raise ValueError(
+            f"need 1 <= min size <= max size and factor >= 2, got {lo}, {hi}, {factor}.")
+    sizes = [lo]
+    while sizes[-1] * factor <= hi:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+@contextlib.contextmanager
+def slow_link(enabled: bool):
+    """Route NCCL through sockets (no NVLink / PCIe peer access, no shared memory) inside the block.
+
+    The ranks are started inside the block and inherit the environment, so
+    NCCL reads these variables when it starts; they are restored afterwards.
+    """
+    saved = {k: os.environ.get(k) for k in SLOW_LINK_ENV}
+    if enabled:
+        os.environ.update(SLOW_LINK_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default: one per GPU, else 2)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--iters", type=int, default=None, help="timed trials per candidate")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls per candidate")
+    p.add_argument("--slow-link", action="store_true",
+                   help="NCCL over sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1), "
+                   "like a slow network")
+    p.add_argument("--out", default=os.path.join("docs", "results"),
+                   help="directory for JSON and plots")
+    p.add_argument("--no-plot", action="store_true", help="write JSON only")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds before the run counts as hung")
+
+
+def add_parser(sub) -> None:
+    """Add ``bench allreduce`` and ``bench ddp`` to the ``dpcourse`` command's subparsers."""
+    bench = sub.add_parser("bench", help="all-reduce bandwidth and DDP step-time benchmarks")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+
+    p = kinds.add_parser("allreduce", help="sweep message sizes: hand-built rings vs the library")
+    _common(p)
+    p.add_argument("--sizes", type=parse_list(parse_size), default=None,
+                   help="comma-separated sizes, e.g. 4K,1M,256M (overrides --min/--max-size)")
+    p.add_argument("--min-size", type=parse_size, default=4 * 2**10, help="default 4K")
+    p.add_argument("--max-size", type=parse_size, default=None,
+                   help="default 1G on GPU, 64M on CPU")
+    p.add_argument("--impls", type=parse_list(str), default=["library", "ring", "ring_pipelined"],
+                   help="comma-separated: library, ring, ring_pipelined, ring_pipelined:K "
+                   "(K slices per chunk), naive")
+    p.add_argument("--dtype", default="float32",
+                   choices=["float32", "float16", "bfloat16", "float64"])
+    p.add_argument("--num-pipeline-chunks", default="auto",
+                   help="slices per chunk for ring_pipelined: an int >= 2 or 'auto'")
+    p.set_defaults(func=run_allreduce)
+
+    p = kinds.add_parser("ddp", help="step time of the data-parallel wrappers vs torch DDP")
+    _common(p)
+    p.add_argument("--config", default="auto", choices=["auto", "gpt2_small", "tiny"],
+                   help="model: GPT-2 small on GPU, tiny on CPU by default")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 8)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--variants", type=parse_list(str),
+                   default=["local", "naive", "bucketed", "overlapped", "torch_ddp"])
+    p.add_argument("--sweep-caps", type=parse_list(float), default=[0, 1, 5, 25, 100],
+                   help="bucket sizes (MiB) for the bucket sweep; empty string to skip it")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"])
+    p.set_defaults(func=run_ddp)
+
+
+def _name(kind: str, rows: list[dict], backend: str, world_size: int, slow: bool) -> str:
+    from dpcourse.bench.report import slug
+
+    device = rows[0]["device"] if rows else "unknown"
+    return f"{kind}-{backend}-{world_size}x-{slug(device)}" + ("-slowlink" if slow else "")
+
+
+def _plot(make):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        return make()
+    except ImportError:
+        return None
+
+
+def run_allreduce(args: argparse.Namespace) -> int:
+    import torch
+
+    import dpcourse
+    from dpcourse.bench.allreduce import allreduce_sweep
+    from dpcourse.bench.report import environment, write_results
+    from dpcourse.plots import format_bytes, format_seconds, format_table
+
+    backend, world_size = dpcourse.resolve_backend(args.backend, args.world_size)
+    max_size = args.max_size or (2**30 if backend == "nccl" else 64 * 2**20)
+    sizes = args.sizes or size_range(args.min_size, max_size)
+    chunks = args.num_pipeline_chunks
+    chunks = chunks if chunks == "auto" else int(chunks)
+    settings = dict(sizes=sizes, impls=args.impls, iters=args.iters or 20, warmup=args.warmup,
+                    dtype=args.dtype, num_pipeline_chunks=chunks, slow_link=args.slow_link)
+    with slow_link(args.slow_link):
+        env = environment(backend, world_size)
+        rows = dpcourse.run(allreduce_sweep, sizes, args.impls, world_size=world_size,
+                            backend=backend, timeout=args.timeout, warmup=args.warmup,
+                            iters=settings["iters"], dtype=getattr(torch, args.dtype),
+                            num_pipeline_chunks=chunks)[0]
+    table = [{"impl": r["impl"], "size": format_bytes(r["nbytes"]),
+              "median": format_seconds(r["median_s"]),
+              "IQR": f"{format_seconds(r['p25_s'])}..{format_seconds(r['p75_s'])}",
+              "algbw GB/s": f"{r['algbw'] / 1e9:.3g}", "busbw GB/s": f"{r['busbw'] / 1e9:.3g}",
+              "vs library": f"{r['vs_library']:.3f}" if "vs_library" in r else ""} for r in rows]
+    print(f"all-reduce, {world_size} ranks, {backend}, {rows[0]['device']}, {args.dtype}")
+    print(format_table(table))
+
+    def figure():
+        from dpcourse.plots import plot_bandwidth
+
+        slow = ", slow link" if args.slow_link else ""
+        return plot_bandwidth(rows, metric="busbw", title=f"all-reduce bus bandwidth: "
+                              f"{world_size}x {rows[0]['device']} ({backend}{slow})")
+
+    fig = None if args.no_plot else _plot(figure)
+    paths = write_results(args.out, _name("allreduce", rows, backend, world_size, args.slow_link),
+                          {"benchmark": "allreduce", "environment": env, "settings": settings,
+                           "rows": rows}, fig)
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+def run_ddp(args: argparse.Namespace) -> int:
+    import dpcourse
+    from dpcourse.bench.ddp import ddp_benchmark
+    from dpcourse.bench.report import environment, write_results
+    from dpcourse.plots import format_table
+
+    backend, world_size = dpcourse.resolve_backend(args.backend, args.world_size)
+    common = dict(config=args.config, batch_size=args.batch_size, warmup=args.warmup,
+                  iters=args.iters or 10, amp=args.amp)
+    settings = dict(common, variants=args.variants, bucket_cap_mb=args.bucket_cap_mb,
+                    sweep_caps=args.sweep_caps, slow_link=args.slow_link)
+    run = dict(world_size=world_size, backend=backend, timeout=args.timeout)
+    with slow_link(args.slow_link):
+        env = environment(backend, world_size)
+        rows, sweep = dpcourse.run(ddp_benchmark, args.variants, args.sweep_caps,
+                                   bucket_cap_mb=args.bucket_cap_mb, **common, **run)[0]
+    cols = ["variant", "bucket_cap_mb", "n_buckets", "median_s", "p25_s", "p75_s",
+            "vs_torch_ddp", "efficiency", "tokens_per_s"]
+    r0 = rows[0]
+    print(f"training step, {world_size} ranks, {backend}, {r0['device']}, GPT {r0['config']} "
+          f"({r0['params']:,} params), batch {r0['batch_size']}x{r0['seq_len']}, amp {r0['amp']}")
+    print(format_table(rows, cols))
+    if sweep:
+        print("\nbucket-size sweep (ratios within each bucket size)")
+        print(format_table(sweep, cols))
+
+    def figure():
+        from dpcourse.plots import plot_bucket_sweep
+
+        # torch DDP does not report its bucket count: leave those points unlabelled.
+        points = [{k: v for k, v in r.items() if v is not None} for r in sweep]
+        return plot_bucket_sweep(points, series_key="variant", title=f"step time vs bucket size: "
+                                 f"{world_size}x {r0['device']}")
+
+    fig = None if args.no_plot or not sweep else _plot(figure)
+    paths = write_results(args.out, _name("ddp", rows, backend, world_size, args.slow_link),
+                          {"benchmark": "ddp", "environment": env, "settings": settings,
+                           "rows": rows, "bucket_sweep": sweep}, fig)
+    print("wrote " + ", ".join(paths))
+    return 0

@@ -1,0 +1,188 @@
+"""Data-parallel step times: the course's wrappers against torch DDP, on every rank.
+
+Each variant trains its own copy of the same GPT (same seed, so the same
+weights) with its own optimizer; their steps are timed interleaved, so a
+slow moment of the machine hits every variant alike. ``"local"`` is the
+same step with no communication at all: the compute floor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dpcourse.bench.timing import device_name, summarize, time_interleaved
+from dpcourse.device import rank_device
+
+VARIANTS = ("local", "naive", "bucketed", "overlapped", "torch_ddp")
+CONFIGS = ("gpt2_small", "tiny")
+
+
+def _config(name: str, device: torch.device):
+    from dpcourse import models
+
+    if name == "auto":
+        name = "gpt2_small" if device.type == "cuda" else "tiny"
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model config {name!r}: choose 'auto' or one of {CONFIGS}.")
+    return name, getattr(models, name)()
+
+
+def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kwargs):
+    from dpcourse import ddp
+
+    if variant == "local":
+        return model
+    if variant == "naive":
+        return ddp.DataParallelNaive(model, group=group)
+    if variant == "bucketed":
+        return ddp.DataParallelBucketed(model, bucket_cap_mb=bucket_cap_mb, group=group)
+    if variant == "overlapped":
+        return ddp.DataParallelOverlapped(model, bucket_cap_mb=bucket_cap_mb, group=group)
+    if variant == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        # torch reads a cap of 0 as "unset"; a tiny cap gives it one bucket per parameter too.
+        return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb or 1e-9,
+                                       process_group=group, **(torch_ddp_kwargs or {}))
+    raise ValueError(f"unknown variant {variant!r}: choose from {VARIANTS}.")
+
+
+def _train_step(model, opt, idx, targets, amp_dtype):
+    device_type = idx.device.type
+
+    def step():
+        with torch.autocast(device_type, dtype=amp_dtype or torch.float32,
+                            enabled=amp_dtype is not None):
+            _, loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _n_buckets(wrapped):
+    buckets = getattr(wrapped, "buckets", None)
+    return len(buckets) if buckets is not None else None
+
+
+def _compare(variants, *, config, batch_size, bucket_cap_mb, warmup, iters, group,
+             torch_ddp_kwargs, amp) -> list[dict]:
+    """Build every variant, time their steps interleaved, return one row per variant."""
+    from dpcourse.models import GPT, random_tokens
+
+    device = rank_device(group)
+    cfg_name, cfg = _config(config, device)
+    if batch_size is None:
+        batch_size = 8
+    amp_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else None,
+                 "bf16": torch.bfloat16, "none": None}[amp]
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    idx, targets = (t.to(device) for t in random_tokens(batch_size, cfg, seed=rank))
+    steps, wrapped_models, n_params = {}, {}, 0
+    for variant in variants:
+        model = GPT(cfg, seed=0).to(device)
+        n_params = sum(p.numel() for p in model.parameters())
+        wrapped = _wrap(variant, model, device, bucket_cap_mb, group, torch_ddp_kwargs)
+        opt_kwargs = {"fused": True} if device.type == "cuda" else {}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **opt_kwargs)
+        steps[variant] = _train_step(wrapped, opt, idx, targets, amp_dtype)
+        wrapped_models[variant] = wrapped
+    times = time_interleaved(steps, warmup=warmup, iters=iters, group=group, device=device)
+    rows = []
+    for variant in variants:
+        row = {"variant": variant, "bucket_cap_mb": bucket_cap_mb,
+               "n_buckets": _n_buckets(wrapped_models[variant]), "world_size": world_size,
+               "backend": dist.get_backend(group), "device": device_name(device),
+               "config": cfg_name, "params": n_params, "batch_size": batch_size,
+               "seq_len": cfg.block_size, "amp": str(amp_dtype).replace("torch.", "")}
+        row.update(summarize(times[variant]))
+        row["tokens_per_s"] = world_size * batch_size * cfg.block_size / row["median_s"]
+        rows.append(row)
+    _add_ratios(rows)
+    del steps, wrapped_models
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Give each row its step time relative to torch DDP and to no communication (same run)."""
+    by = {r["variant"]: r["median_s"] for r in rows}
+    for r in rows:
+        r["vs_torch_ddp"] = r["median_s"] / by["torch_ddp"] if "torch_ddp" in by else None
+        # Efficiency: the fraction of the step that is not waiting on communication.
+        r["efficiency"] = by["local"] / r["median_s"] if "local" in by else None
+
+
+def ddp_step_times(variants=VARIANTS, *, config: str = "auto", batch_size: int | None = None,
+                   bucket_cap_mb: float = 25.0, warmup: int = 3, iters: int = 10, group=None,
+                   amp: str = "auto", torch_ddp_kwargs: dict | None = None) -> list[dict]:
+    """Time one training step (forward, backward, AdamW step) per variant; call on every rank.
+
+    Args:
+        variants: names from ``("local", "naive", "bucketed", "overlapped", "torch_ddp")``.
+        config: ``"gpt2_small"`` (~124M parameters), ``"tiny"``, or ``"auto"`` (GPT-2 small
+            on GPU, tiny on CPU).
+        batch_size: sequences per rank per step (default 8; sequence length is the config's).
+        bucket_cap_mb: bucket size for the bucketed, overlapped and torch DDP variants.
+        warmup: untimed steps per variant.
+        iters: timed steps per variant.
+        group: the process group; ``None`` means the default group.
+        amp: ``"auto"`` (bf16 autocast on GPU, none on CPU), ``"bf16"`` or ``"none"``.
+        torch_ddp_kwargs: extra arguments for torch's ``DistributedDataParallel``.
+
+    Returns:
+        One dict per variant, identical on every rank: ``variant``, ``median_s``,
+        ``min_s``, ``max_s``, ``p25_s``, ``p75_s``, ``trials``, ``vs_torch_ddp``
+        (median / torch DDP's median), ``efficiency`` (local median / median),
+        ``tokens_per_s``, ``n_buckets`` and the setup (model, batch, device, backend).
+    """
+    if amp not in ("auto", "bf16", "none"):
+        raise ValueError(f"amp must be 'auto', 'bf16' or 'none', got {amp!r}.")
+    return _compare(list(variants), config=config, batch_size=batch_size,
+                    bucket_cap_mb=bucket_cap_mb, warmup=warmup, iters=iters, group=group,
+                    torch_ddp_kwargs=torch_ddp_kwargs, amp=amp)
+
+
+def ddp_bucket_sweep(bucket_caps=(0, 1, 5, 25, 100),
+                     variants=("bucketed", "overlapped", "torch_ddp"), **kwargs) -> list[dict]:
+    """Time the bucketed variants at several ``bucket_cap_mb`` values; call on every rank.
+
+    Each cap is one interleaved comparison of ``variants`` (ratios within it).
+
+    Args:
+        bucket_caps: bucket sizes in MiB (0: one bucket per parameter).
+        variants: variant names (see :func:`ddp_step_times`).
+        **kwargs: passed to :func:`ddp_step_times` (config, batch_size, warmup, iters, ...).
+
+    Returns:
+        The rows of every comparison, each with its ``bucket_cap_mb``.
+    """
+    rows = []
+    for cap in bucket_caps:
+        rows += ddp_step_times(variants, bucket_cap_mb=cap, **kwargs)
+    return rows
+
+
+def ddp_benchmark(variants=VARIANTS, sweep_caps=(0, 1, 5, 25, 100), *,
+                  bucket_cap_mb: float = 25.0, **kwargs) -> tuple[list[dict], list[dict]]:
+    """Run :func:`ddp_step_times`, then :func:`ddp_bucket_sweep`, in one launch; call on every rank.
+
+    Args:
+        variants: variants of the main comparison.
+        sweep_caps: bucket sizes for the sweep (empty: no sweep).
+        bucket_cap_mb: bucket size of the main comparison.
+        **kwargs: passed to both (config, batch_size, warmup, iters, amp, ...).
+
+    Returns:
+        ``(rows, sweep_rows)``.
+    """
+    rows = ddp_step_times(variants, bucket_cap_mb=bucket_cap_mb, **kwargs)
+    sweep_variants = [v for v in ("bucketed", "overlapped", "torch_ddp") if v in variants]
+    sweep = []
+    if sweep_caps and sweep_variants:
+        sweep = ddp_bucket_sweep(sweep_caps, sweep_variants, **kwargs)
+    return rows, sweep

@@ -1,0 +1,14 @@
+"""Data-parallel wrappers in learning order: naive, bucketed, overlapped.
+
+Each one is a drop-in for ``torch.nn.parallel.DistributedDataParallel``:
+rank 0's parameters and buffers are broadcast at construction, and after
+``loss.backward()`` every rank holds the gradient averaged over all ranks.
+"""
+
+from dpcourse.ddp.bucketed import DataParallelBucketed
+from dpcourse.ddp.buckets import Bucket, assign_buckets
+from dpcourse.ddp.naive import DataParallelNaive
+from dpcourse.ddp.overlapped import DataParallelOverlapped
+
+__all__ = ["DataParallelNaive", "DataParallelBucketed", "DataParallelOverlapped",
+           "assign_buckets", "Bucket"]

@@ -1,0 +1,306 @@
+"""What every data-parallel wrapper shares: checks, the start-up broadcast, and the backward hooks.
+
+A wrapper must be a drop-in for ``torch.nn.parallel.DistributedDataParallel``:
+the training loop calls ``loss.backward()`` and ``optimizer.step()`` and nothing
+else, yet the gradients are averaged across ranks in between. The mechanism,
+the same one torch's reducer relies on:
+
+1. at construction, a *post-accumulate-grad hook* is registered on every
+   trainable parameter; autograd calls it once per backward, right after the
+   parameter's gradient has been added into ``param.grad`` (a weight used twice,
+   e.g. tied embeddings, still gets ONE call: autograd sums both contributions
+   before accumulating);
+2. the first hook of a backward pass queues a callback on the autograd engine
+   (``Variable._execution_engine.queue_callback``); the engine runs it once the
+   whole backward graph has been executed, before ``loss.backward()`` returns;
+3. that callback calls :meth:`finish_gradient_synchronization`, which checks
+   that every parameter got a gradient and averages the gradients. Subclasses
+   decide how: one tensor at a time, in buckets, or with communication already
+   started from the hooks while backward was still running.
+
+Reference: ``torch/nn/parallel/distributed.py`` and the "DDP internal design"
+notes (https://pytorch.org/docs/stable/notes/ddp.html).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+
+def _group_src(group) -> int:
+    """Global rank of the group's rank 0 (``broadcast`` takes a global rank as ``src``)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def check_wrappable(module, group, all_reduce) -> list[tuple[str, nn.Parameter]]:
+    """Validate a wrapper's arguments; return the trainable ``(name, parameter)`` pairs.
+
+    Args:
+        module: the model to wrap.
+        group: process group (``None``: the default group).
+        all_reduce: ``None`` or a function ``fn(tensor, group=None)`` summing in place.
+
+    Returns:
+        Trainable parameters in registration order, each once (tied weights appear once).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module to wrap, got {type(module).__name__}.")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed has no process group yet. Run this code inside "
+            "dpcourse.run(fn) (which initialises one per rank), or under torchrun after "
+            "torch.distributed.init_process_group(backend)."
+        )
+    if all_reduce is not None and not callable(all_reduce):
+        raise TypeError(
+            f"all_reduce must be a function like torch.distributed.all_reduce(tensor, group=None), "
+            f"got {type(all_reduce).__name__}."
+        )
+    # named_parameters() yields a shared Parameter once, so tied weights are reduced once.
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            f"{type(module).__name__} has no trainable parameters (none with requires_grad=True): "
+            "there is nothing to synchronise. Unfreeze some parameters before wrapping."
+        )
+    devices = {p.device for _, p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the module's trainable parameters live on several devices "
+            f"({sorted(map(str, devices))}); "
+            "data parallelism keeps one full replica per rank on one device: move the module "
+            "with module.to(device) before wrapping."
+        )
+    device = devices.pop()
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"the process group uses NCCL, which only moves GPU tensors, but the module is on "
+            f"{device}. Move it first: module.to(f'cuda:{{rank}}')."
+        )
+    return params
+
+
+@torch.no_grad()
+def broadcast_module_state(module: nn.Module, group=None) -> None:
+    """Overwrite every parameter and buffer with rank 0's copy, so all replicas start equal.
+
+    Args:
+        module: the model; frozen parameters and buffers are included.
+        group: process group (``None``: the default group).
+    """
+    src = _group_src(group)
+    for t in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(t.detach(), src=src, group=group)
+
+
+class DataParallelBase(nn.Module):
+    """Shared machinery of the wrappers; subclasses implement how gradients are reduced.
+
+    Subclasses override :meth:`_grad_ready` (called from the hook of each
+    parameter in a synchronised backward) and :meth:`_reduce` (average every
+    gradient; called once per synchronisation).
+
+    Attributes:
+        module: the wrapped model.
+        group: the process group (``None``: the default group).
+        world_size: number of ranks in ``group``.
+        require_backward_grad_sync: False inside :meth:`no_sync`.
+        trace: optionally a :class:`dpcourse.comm.CommTrace`; when set, the wrapper
+            marks ``"backward_end"`` (every gradient computed, before waiting for
+            communication) and ``"sync_end"`` on it at each synchronisation.
+    """
+
+    def __init__(self, module: nn.Module, *, group=None, all_reduce=None):
+        super().__init__()
+        params = check_wrappable(module, group, all_reduce)
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self._custom_all_reduce = all_reduce
+        self._named_params = params
+        self.require_backward_grad_sync = True
+        self.trace = None
+        self._sync_this_backward = True   # decided at forward time, as torch DDP does
+        self._forward_pending = False     # a forward whose backward has not synchronised yet
+        self._broadcast_buffers_next = True
+        self._in_backward = False
+        self._unsynced: set[int] = set()  # params with a gradient not yet averaged
+        self._replaced = False            # True once a newer wrapper took this module over
+        broadcast_module_state(module, group)
+        self._install_hooks()
+
+    # -- hooks -------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        # Wrapping the same module twice would average every gradient twice:
+        # the newest wrapper takes over and the older one's hooks are removed.
+        previous = getattr(self.module, "_dpcourse_wrapper", None)
+        if previous is not None and previous() is not None:
+            previous()._remove_hooks()
+        self.module._dpcourse_wrapper = weakref.ref(self)
+        me = weakref.ref(self)  # hooks must not keep a discarded wrapper alive
+
+        def make_hook(index):
+            def hook(param):
+                wrapper = me()
+                if wrapper is not None:
+                    wrapper._on_grad_accumulated(index, param)
+            return hook
+
+        self._hook_handles = [p.register_post_accumulate_grad_hook(make_hook(i))
+                              for i, (_, p) in enumerate(self._named_params)]
+
+    def _remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+        self._replaced = True
+
+    def _on_grad_accumulated(self, index: int, param: nn.Parameter) -> None:
+        if not self._sync_this_backward:
+            self._unsynced.add(index)
+            self._grad_accumulated(index, param)  # inside no_sync: keep it local
+            return
+        if not self._in_backward:
+            if not self._forward_pending:
+                raise RuntimeError(
+                    f"{type(self).__name__}: a backward pass reached the wrapped parameters but "
+                    "no forward through the wrapper preceded it since the last synchronisation. "
+                    "Call the wrapper (model(x), not model.module(x)) before each backward; to "
+                    "backpropagate several losses of one forward, add them and call backward "
+                    "once, or run the earlier backwards inside no_sync()."
+                )
+            self._forward_pending = False
+            self._in_backward = True
+            self._start_backward()
+            Variable._execution_engine.queue_callback(self._backward_end)
+        self._unsynced.add(index)
+        self._grad_accumulated(index, param)
+        self._grad_ready(index, param)
+
+    def _backward_end(self) -> None:
+        """Runs inside the autograd engine once backward has computed every gradient."""
+        self._in_backward = False
+        if self.trace is not None:
+            self.trace.mark("backward_end")
+        self.finish_gradient_synchronization()
+        if self.trace is not None:
+            self.trace.mark("sync_end")
+
+    # -- subclass interface --------------------------------------------------
+    def _start_backward(self) -> None:
+        """Reset per-backward state (first hook of a synchronised backward)."""
+
+    def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
+        """A gradient was accumulated into ``param.grad`` (with or without sync)."""
+
+    def _grad_ready(self, index: int, param: nn.Parameter) -> None:
+        """A gradient is final for this synchronised backward."""
+
+    def _reduce(self) -> None:
+        raise NotImplementedError
+
+    def _abort(self) -> None:
+        """Drop in-flight state after a backward that did not complete."""
+
+    # -- public API ----------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        """Sum ``tensor`` in place over the group with the configured collective.
+
+        Args:
+            tensor: contiguous tensor, summed in place.
+            async_op: return a work handle instead of blocking (only for the default
+                ``dist.all_reduce``; a custom ``all_reduce=`` always runs to completion).
+
+        Returns:
+            A work handle when ``async_op`` and the default collective are used, else ``None``.
+        """
+        if self._custom_all_reduce is None:
+            # Looked up at call time so that CommTrace sees the call.
+            return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+        self._custom_all_reduce(tensor, group=self.group)
+        return None
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average, across ranks, every gradient accumulated since the last synchronisation.
+
+        Called automatically at the end of each ``loss.backward()`` outside
+        :meth:`no_sync`; calling it again does nothing. Calling it after a backward
+        inside ``no_sync`` averages the accumulated gradients right away.
+        """
+        if not self._unsynced:
+            return
+        missing = [n for i, (n, _) in enumerate(self._named_params) if i not in self._unsynced]
+        if missing:
+            self._unsynced.clear()
+            self._abort()
+            raise RuntimeError(
+                f"{type(self).__name__}: these parameters received no gradient in this step: "
+                f"{', '.join(missing)}. Every rank must all-reduce every gradient, or the ranks "
+                "would wait for each other forever. Make each trainable parameter contribute to "
+                "the loss, or freeze the unused ones (param.requires_grad_(False)) before "
+                "wrapping (torch DDP offers find_unused_parameters=True for this case)."
+            )
+        try:
+            self._reduce()
+        finally:
+            self._unsynced.clear()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient communication for forward/backward passes run inside this context.
+
+        Gradients accumulate locally in ``param.grad``; the first backward after
+        leaving the context averages the accumulated sum. As in torch DDP, the
+        decision is taken at forward time: run the forward inside the context too.
+
+        Gradient accumulation: A micro-steps of ``b`` examples on K ranks equal one
+        step on ``b * K * A`` examples when the first A-1 run inside ``no_sync`` and
+        every micro-step's loss is divided by A. Each loss is a mean over ``b``
+        examples, so the accumulated gradient is A times one micro-batch's mean
+        unless scaled; the all-reduce then averages over the K ranks::
+
+            for micro, (x, y) in enumerate(micro_batches):
+                ctx = model.no_sync() if micro < A - 1 else contextlib.nullcontext()
+                with ctx:
+                    (loss_fn(model(x), y) / A).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        """
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        src = _group_src(self.group)
+        for b in self.module.buffers():
+            dist.broadcast(b, src=src, group=self.group)
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module; broadcast rank 0's buffers first, as torch DDP does."""
+        if self._replaced:
+            raise RuntimeError(
+                f"this {type(self).__name__} no longer synchronises gradients: its module was "
+                "wrapped again by a newer wrapper, which took over. Use the newer wrapper."
+            )
+        if self._in_backward:  # the previous backward raised before finishing
+            self._in_backward = False
+            self._abort()
+        # torch DDP's rule (broadcast_buffers=True): buffers follow rank 0 before a
+        # forward, unless the previous forward was inside no_sync or without grad.
+        if self._broadcast_buffers_next:
+            self._broadcast_buffers()
+        if torch.is_grad_enabled():  # a no-grad forward (evaluation) leaves pending work alone
+            self._sync_this_backward = self.require_backward_grad_sync
+            self._forward_pending = self._sync_this_backward
+        self._broadcast_buffers_next = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return self.module(*args, **kwargs)

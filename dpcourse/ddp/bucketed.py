@@ -1,0 +1,108 @@
+"""DataParallelBucketed: one all-reduce per bucket of gradients instead of one per parameter.
+
+Gradients live in a few flat buffers (see :mod:`dpcourse.ddp.buckets`); each
+``param.grad`` is a *view* into its bucket's buffer, so the bucket is reduced
+in place with a single collective and no gradient is stored twice (torch DDP
+calls this ``gradient_as_bucket_view=True``). Communication still waits for
+the end of backward; :class:`~dpcourse.ddp.DataParallelOverlapped` starts it
+earlier.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpcourse.ddp.base import DataParallelBase
+from dpcourse.ddp.buckets import check_bucket_cap, make_buckets
+
+
+class DataParallelBucketed(DataParallelBase):
+    """Average gradients after backward with one all-reduce per flat bucket.
+
+    Args:
+        module: the model, already on this rank's device.
+        bucket_cap_mb: a bucket closes once it holds at least this many MiB
+            (it may exceed the cap by its last tensor); 0 gives one bucket per
+            parameter, ``math.inf`` one bucket per dtype and device.
+        group: process group to average over (``None``: the default group).
+        all_reduce: collective ``fn(tensor, group=None)`` summing in place
+            (default ``torch.distributed.all_reduce``).
+
+    Attributes:
+        buckets: list of :class:`~dpcourse.ddp.buckets.Bucket` in reduction order
+            (``.names``, ``.nbytes``, ``.buffer``).
+        bucket_cap_mb: the cap used.
+    """
+
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, group=None,
+                 all_reduce=None):
+        cap = check_bucket_cap(bucket_cap_mb)  # before any communication or hook
+        super().__init__(module, group=group, all_reduce=all_reduce)
+        self.bucket_cap_mb = cap
+        self.buckets, self._where = make_buckets(self._named_params, cap)
+
+    def _view(self, index: int) -> torch.Tensor:
+        b, k = self._where[index]
+        return self.buckets[b].views[k]
+
+    @torch.no_grad()
+    def _point_grad_at_bucket(self, index: int, param: nn.Parameter) -> None:
+        """Make ``param.grad`` the bucket view, copying the gradient in if it lives elsewhere.
+
+        After ``zero_grad(set_to_none=True)`` (the default) autograd hands the
+        parameter a freshly allocated gradient; torch's reducer then copies it
+        into the bucket and re-points ``param.grad``. Same here.
+        """
+        view = self._view(index)
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+
+    def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
+        self._point_grad_at_bucket(index, param)
+
+    @torch.no_grad()
+    def _attach_grads_to_buckets(self) -> None:
+        """Make every ``param.grad`` its bucket view before backward, so autograd adds in place.
+
+        Optimizers' ``zero_grad()`` sets gradients to ``None`` by default. Left
+        alone, autograd would then hand each parameter a freshly allocated
+        gradient and the hook would copy it into the bucket: one copy kernel and
+        one Python call per parameter, on the thread that runs backward. Zeroing
+        the bucket once here (one kernel per bucket) and re-pointing the
+        gradients lets autograd accumulate straight into the buckets.
+        """
+        for bucket in self.buckets:
+            if all(p.grad is None for p in bucket.params):
+                bucket.buffer.zero_()
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view
+                continue
+            for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
+                if p.grad is None:
+                    view.zero_()
+                    p.grad = view
+                elif p.grad is not view:
+                    self._point_grad_at_bucket(i, p)
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module (see :meth:`DataParallelBase.forward`), gradients already in buckets."""
+        if torch.is_grad_enabled() and not self._replaced:
+            self._attach_grads_to_buckets()
+        return super().forward(*args, **kwargs)
+
+    @torch.no_grad()
+    def _launch(self, bucket, async_op: bool = False):
+        """Average one bucket in place: divide, then sum over ranks."""
+        for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
+            if p.grad is not view:
+                self._point_grad_at_bucket(i, p)  # param.grad was replaced after backward
+        # Divide BEFORE the sum, as torch DDP does: the sum then never exceeds the
+        # range of one rank's gradient (fp16/bf16 would overflow otherwise).
+        bucket.buffer.div_(self.world_size)
+        return self.all_reduce(bucket.buffer, async_op=async_op)
+
+    def _reduce(self) -> None:
+        for bucket in self.buckets:
+            self._launch(bucket)

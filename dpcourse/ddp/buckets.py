@@ -1,0 +1,151 @@
+"""Group gradients into buckets: fewer, larger all-reduces instead of one per parameter.
+
+Every collective pays a fixed start-up cost (latency) on top of the time to
+move its bytes, so reducing 100 small gradients one by one costs ~100
+latencies. Packing them into a few flat buffers of about ``bucket_cap_mb``
+MiB each pays only a few, while buckets small enough to be ready early still
+let communication overlap with the rest of backward.
+
+Buckets are filled in REVERSE parameter order: backward produces the last
+layer's gradients first, so the first bucket is the first one complete.
+A bucket closes as soon as it holds at least ``bucket_cap_mb`` (the tensor
+that crosses the cap stays in it, so a bucket may exceed the cap by one
+tensor, exactly as in torch DDP's ``_compute_bucket_assignment_by_size``).
+Tensors are never split, so this rule needs no special case: a tensor larger
+than the cap simply forms a bucket of its own, and ``bucket_cap_mb=0`` gives
+one bucket per parameter. Torch DDP also makes its first bucket smaller
+(1 MiB) so communication starts sooner; here every bucket uses the same cap.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+MiB = 2 ** 20  # torch DDP's bucket_cap_mb counts mebibytes
+
+
+def check_bucket_cap(bucket_cap_mb) -> float:
+    """Validate a bucket cap; return it as a float (``math.inf``: one bucket per dtype/device).
+
+    Args:
+        bucket_cap_mb: the cap in MiB, a non-negative number.
+
+    Returns:
+        The cap as a float.
+    """
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
+        raise TypeError(
+            f"bucket_cap_mb must be a number of MiB (e.g. 25.0), got {bucket_cap_mb!r}.")
+    cap = float(bucket_cap_mb)
+    if math.isnan(cap) or cap < 0:
+        raise ValueError(
+            f"bucket_cap_mb must be >= 0 (0: one bucket per parameter; math.inf: a single "
+            f"bucket), got {bucket_cap_mb!r}."
+        )
+    return cap
+
+
+def _size_and_key(item):
+    if isinstance(item, torch.Tensor):
+        return item.numel() * item.element_size(), (item.dtype, item.device)
+    if isinstance(item, numbers.Integral) and not isinstance(item, bool) and item >= 0:
+        return int(item), None
+    raise TypeError(f"assign_buckets takes tensors or sizes in bytes (ints >= 0), got {item!r}.")
+
+
+def assign_buckets(params, bucket_cap_mb: float = 25.0) -> list[list[int]]:
+    """Split parameters into buckets, filled in reverse order and closed once they reach the cap.
+
+    Args:
+        params: tensors (grouped by dtype and device: one bucket holds one kind)
+            or sizes in bytes, in the order the model registers its parameters.
+        bucket_cap_mb: a bucket closes once it holds at least this many MiB;
+            0 gives one bucket per parameter.
+
+    Returns:
+        Buckets in the order they become complete during backward, each a list of
+        indices into ``params`` (largest index first, the order gradients arrive).
+        Example: sizes ``[4, 4, 4]`` bytes with a cap of 8 bytes give ``[[2, 1], [0]]``.
+    """
+    cap = check_bucket_cap(bucket_cap_mb) * MiB
+    items = [_size_and_key(p) for p in params]
+    open_buckets: dict = {}  # (dtype, device) -> (indices, bytes)
+    buckets: list[list[int]] = []
+    for i in reversed(range(len(items))):
+        size, key = items[i]
+        indices, total = open_buckets.pop(key, ([], 0))
+        indices.append(i)
+        total += size
+        if total >= cap:  # close with the crossing tensor inside, as torch does
+            buckets.append(indices)
+        else:
+            open_buckets[key] = (indices, total)
+    buckets.extend(indices for indices, _ in open_buckets.values())
+    # A bucket is complete when its last-filled (lowest-index) gradient arrives.
+    buckets.sort(key=lambda b: -b[-1])
+    return buckets
+
+
+@dataclass
+class Bucket:
+    """One flat gradient buffer and the parameters whose gradients are views into it.
+
+    Attributes:
+        index: position in the reduction order.
+        indices: positions of its parameters in the wrapper's trainable-parameter list.
+        names: parameter names, in the order their gradients arrive.
+        params: the parameters themselves.
+        buffer: the flat 1-D gradient storage (one dtype, one device).
+        views: ``views[k]`` is ``buffer``'s slice shaped like ``params[k]``.
+    """
+
+    index: int
+    indices: list[int]
+    names: list[str]
+    params: list
+    buffer: torch.Tensor
+    views: list[torch.Tensor] = field(repr=False)
+
+    @property
+    def numel(self) -> int:
+        """Number of gradient elements in the bucket."""
+        return self.buffer.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the bucket in bytes (what one all-reduce of it moves per rank)."""
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.index}, {self.nbytes / MiB:.3f} MiB, {self.names})"
+
+
+def make_buckets(named_params,
+                 bucket_cap_mb: float) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+    """Allocate the flat buffers for ``named_params`` and the per-parameter views into them.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs in registration order.
+        bucket_cap_mb: see :func:`assign_buckets`.
+
+    Returns:
+        ``(buckets, where)``: the buckets in reduction order, and for each parameter
+        index ``(bucket index, position inside the bucket)``.
+    """
+    buckets, where = [], {}
+    for b, indices in enumerate(assign_buckets([p for _, p in named_params], bucket_cap_mb)):
+        params = [named_params[i][1] for i in indices]
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                             device=params[0].device)
+        views, offset = [], 0
+        for k, (i, p) in enumerate(zip(indices, params)):
+            views.append(buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+            where[i] = (b, k)
+        names = [named_params[i][0] for i in indices]
+        buckets.append(Bucket(b, indices, names, params, buffer, views))
+    return buckets, where

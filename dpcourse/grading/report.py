@@ -1,0 +1,222 @@
+"""Results of a check: one line per criterion, rendered for a terminal and for Jupyter.
+
+A :class:`CheckResult` is what ``check(...)`` returns. It prints as a short
+plain-text report, renders as an HTML table in Jupyter, and turns into a plain
+dict (``to_dict``) that the autograder collects.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from dataclasses import dataclass, field
+
+GRADE_FILE_ENV = "DPCOURSE_GRADE_FILE"  # set by `dpcourse grade`: checks append JSON lines here
+DEFAULT_POINTS = 10.0
+
+
+@dataclass
+class CriterionResult:
+    """The outcome of one criterion of a check.
+
+    Attributes:
+        name: short identifier, e.g. ``"matches_all_reduce"`` (stable: tests and graders use it).
+        description: what the criterion asks for, in one sentence.
+        passed: whether it held in every case that was run.
+        detail: for a failure, what was observed (first failing case).
+        hint: for a failure, the likely mistake and where to look.
+    """
+
+    name: str
+    description: str
+    passed: bool
+    detail: str = ""
+    hint: str = ""
+
+    def to_dict(self) -> dict:
+        """Return the result as a JSON-ready dict."""
+        return {"name": self.name, "description": self.description, "passed": self.passed,
+                "detail": self.detail, "hint": self.hint}
+
+
+@dataclass
+class CheckResult:
+    """The outcome of a check: every criterion, a score and points.
+
+    Attributes:
+        check: the check's name, e.g. ``"ring_all_reduce"``.
+        exercise: the exercise label, e.g. ``"04"``.
+        title: a human title for the report.
+        criteria: one :class:`CriterionResult` per criterion, in order.
+        max_points: points for all criteria passing.
+        seconds: wall time the check took.
+        notes: extra lines shown under the table (e.g. tolerances used).
+    """
+
+    check: str
+    exercise: str
+    title: str
+    criteria: list[CriterionResult] = field(default_factory=list)
+    max_points: float = DEFAULT_POINTS
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> int:
+        """Number of criteria passed."""
+        return sum(c.passed for c in self.criteria)
+
+    @property
+    def total(self) -> int:
+        """Number of criteria."""
+        return len(self.criteria)
+
+    @property
+    def score(self) -> float:
+        """Fraction of criteria passed, between 0 and 1."""
+        return self.passed / self.total if self.total else 0.0
+
+    @property
+    def points(self) -> float:
+        """Points earned: ``max_points`` times :attr:`score`, rounded to 0.1."""
+        return round(self.max_points * self.score, 1)
+
+    @property
+    def all_passed(self) -> bool:
+        """True when every criterion passed."""
+        return self.total > 0 and self.passed == self.total
+
+    def criterion(self, name: str) -> CriterionResult:
+        """Return the criterion called ``name``.
+
+        Args:
+            name: a criterion name, e.g. ``"no_deadlock"``.
+
+        Returns:
+            The matching :class:`CriterionResult`.
+        """
+        for c in self.criteria:
+            if c.name == name:
+                return c
+        raise KeyError(f"check {self.check!r} has no criterion {name!r}; it has "
+                       f"{[c.name for c in self.criteria]}.")
+
+    def failed(self) -> list[str]:
+        """Return the names of the criteria that failed."""
+        return [c.name for c in self.criteria if not c.passed]
+
+    def to_dict(self) -> dict:
+        """Return the result as a JSON-ready dict (what the autograder stores)."""
+        return {"check": self.check, "exercise": self.exercise, "title": self.title,
+                "passed": self.passed, "total": self.total, "points": self.points,
+                "max_points": self.max_points, "seconds": round(self.seconds, 2),
+                "criteria": [c.to_dict() for c in self.criteria], "notes": list(self.notes)}
+
+    # -- rendering -----------------------------------------------------------
+    def headline(self) -> str:
+        """Return the one-line summary, e.g. ``ring_all_reduce (Exercise 04): 5/7 criteria``."""
+        verdict = "all passed" if self.all_passed else f"{self.total - self.passed} failed"
+        return (f"{self.title} (Exercise {self.exercise}): {self.passed}/{self.total} criteria "
+                f"passed, {verdict}, {self.points:g}/{self.max_points:g} points "
+                f"[{self.seconds:.1f} s]")
+
+    @property
+    def not_implemented(self) -> bool:
+        """True when the run stopped at a ``NotImplementedError`` (an exercise not started)."""
+        return any(n.startswith("not implemented yet") for n in self.notes)
+
+    def __str__(self) -> str:
+        lines = [self.headline()]
+        width = max((len(c.name) for c in self.criteria), default=0)
+        for c in self.criteria:
+            mark = "PASS" if c.passed else "FAIL"
+            lines.append(f"  {mark}  {c.name:<{width}}  {c.description}")
+            if not c.passed and not self.not_implemented:  # a stub: the note says it all
+                for label, text in (("why", c.detail), ("hint", c.hint)):
+                    for i, line in enumerate(text.strip().splitlines()):
+                        lines.append(f"        {label + ':' if i == 0 else ' ' * (len(label) + 1)} "
+                                     f"{line}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        color = "#1a7f37" if self.all_passed else "#cf222e"
+        rows = []
+        for c in self.criteria:
+            mark = ("<span style='color:#1a7f37'>&#10004;</span>" if c.passed
+                    else "<span style='color:#cf222e'>&#10008;</span>")
+            extra = ""
+            if not c.passed and not self.not_implemented:
+                extra = "".join(
+                    f"<div style='margin-top:2px'><b>{label}:</b> "
+                    f"<span style='white-space:pre-wrap'>{html.escape(text.strip())}</span></div>"
+                    for label, text in (("why", c.detail), ("hint", c.hint)) if text.strip())
+            rows.append(f"<tr><td style='text-align:center'>{mark}</td>"
+                        f"<td><code>{html.escape(c.name)}</code></td>"
+                        f"<td style='text-align:left'>{html.escape(c.description)}{extra}</td></tr>")
+        notes = "".join(f"<div style='color:#57606a'>{html.escape(n)}</div>" for n in self.notes)
+        return (f"<div><div style='font-weight:bold;color:{color}'>{html.escape(self.headline())}"
+                f"</div><table style='border-collapse:collapse'>{''.join(rows)}</table>{notes}</div>")
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        # check() already showed this report in the same cell: don't show it twice.
+        if _displayed_in_this_cell(self):
+            return
+        display({"text/plain": str(self), "text/html": self._repr_html_()}, raw=True)
+
+
+def _execution_count() -> int | None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    ip = get_ipython()
+    return getattr(ip, "execution_count", None) if ip is not None else None
+
+
+def _displayed_in_this_cell(result: CheckResult) -> bool:
+    shown = getattr(result, "_shown_at", None)
+    return shown is not None and shown == _execution_count()
+
+
+def show(result: CheckResult) -> None:
+    """Display ``result`` now: HTML in Jupyter, plain text in a terminal.
+
+    Args:
+        result: the check result to show.
+    """
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+    except ImportError:
+        ip = None
+    if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":
+        from IPython.display import display
+
+        display({"text/plain": str(result), "text/html": result._repr_html_()}, raw=True)
+    else:
+        print(result, flush=True)
+    if ip is not None:
+        result._shown_at = _execution_count()
+
+
+def append_to_grade_file(result: CheckResult, path: str | None = None) -> None:
+    """Append ``result`` as one JSON line to the grade file, if one is set.
+
+    Args:
+        result: the check result.
+        path: the file; ``None`` means the ``DPCOURSE_GRADE_FILE`` environment variable
+            (set by ``dpcourse grade``); nothing is written when neither is set.
+    """
+    path = path or os.environ.get(GRADE_FILE_ENV)
+    if not path:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps(result.to_dict()) + "\n")

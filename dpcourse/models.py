@@ -1,0 +1,295 @@
+"""Tiny deterministic models for lessons and tests, and a small GPT.
+
+Each small model takes a ``seed``: the same seed gives the same weights on
+every rank and in every run, which is what lets a test compare a data-parallel
+run with single-process training value by value. Pass different seeds on
+different ranks to see the start-up broadcast at work.
+
+The special cases each exercise one corner of gradient synchronisation:
+a frozen layer and a frozen bias (no gradient to reduce), tied weights (one
+parameter used twice, reduced once), buffers (broadcast, not reduced) and an
+unused layer (a gradient that never arrives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None):
+    """Seed the CPU generator inside the block, leaving the caller's random state untouched."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class MLP(nn.Sequential):
+    """Build a stack of Linear + Tanh layers ending in a Linear layer.
+
+    Args:
+        in_features: input width.
+        hidden: width of every hidden layer.
+        out_features: output width.
+        depth: number of Linear layers (at least 1).
+        seed: weight initialisation seed (``None``: use the global generator).
+    """
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, out_features: int = 1,
+                 depth: int = 3, seed: int | None = 0):
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}.")
+        widths = [in_features] + [hidden] * (depth - 1) + [out_features]
+        layers: list[nn.Module] = []
+        with _seeded(seed):
+            for i in range(depth):
+                layers.append(nn.Linear(widths[i], widths[i + 1]))
+                if i < depth - 1:
+                    layers.append(nn.Tanh())
+        super().__init__(*layers)
+
+
+def frozen_layer_mlp(seed: int | None = 0, **kwargs) -> MLP:
+    """Build an :class:`MLP` whose first Linear layer is frozen (as in fine-tuning)."""
+    model = MLP(seed=seed, **kwargs)
+    model[0].requires_grad_(False)
+    return model
+
+
+def frozen_bias_mlp(seed: int | None = 0, **kwargs) -> MLP:
+    """Build an :class:`MLP` whose last bias is frozen: one frozen tensor among trainable ones."""
+    model = MLP(seed=seed, **kwargs)
+    model[-1].bias.requires_grad_(False)
+    return model
+
+
+class TiedEmbeddingModel(nn.Module):
+    """Predict the next token with an output projection that shares the embedding's weight.
+
+    The same ``Parameter`` is reached twice (``embed.weight`` and ``head.weight``):
+    autograd sums both contributions into one gradient, which must be all-reduced once.
+
+    Args:
+        vocab_size: number of token ids.
+        dim: embedding width.
+        seed: initialisation seed.
+    """
+
+    def __init__(self, vocab_size: int = 16, dim: int = 8, seed: int | None = 0):
+        super().__init__()
+        with _seeded(seed):
+            self.embed = nn.Embedding(vocab_size, dim)
+            self.hidden = nn.Linear(dim, dim)
+            self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tie
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Map token ids (B,) or (B, T) to logits (..., vocab_size)."""
+        return self.head(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+class BatchNormMLP(nn.Module):
+    """An MLP with BatchNorm1d: its running statistics are buffers, broadcast, never reduced.
+
+    Args:
+        in_features: input width.
+        hidden: hidden width.
+        out_features: output width.
+        seed: initialisation seed.
+    """
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, out_features: int = 1,
+                 seed: int | None = 0):
+        super().__init__()
+        with _seeded(seed):
+            self.fc1 = nn.Linear(in_features, hidden)
+            self.norm = nn.BatchNorm1d(hidden)
+            self.fc2 = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map (B, in_features) to (B, out_features)."""
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+class UnusedLayerMLP(nn.Module):
+    """An MLP with a trainable layer that forward never uses: its gradient never arrives.
+
+    Args:
+        in_features: input width.
+        hidden: hidden width.
+        out_features: output width.
+        seed: initialisation seed.
+    """
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, out_features: int = 1,
+                 seed: int | None = 0):
+        super().__init__()
+        with _seeded(seed):
+            self.fc1 = nn.Linear(in_features, hidden)
+            self.unused = nn.Linear(hidden, hidden)
+            self.fc2 = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map (B, in_features) to (B, out_features), skipping ``self.unused``."""
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+# -- a small GPT ------------------------------------------------------------------
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT-2-style decoder.
+
+    Attributes:
+        vocab_size: number of token ids.
+        block_size: longest sequence (number of learned positions).
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block (must divide ``n_embd``).
+        n_embd: model width.
+        dropout: dropout probability (0 keeps runs deterministic).
+    """
+
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}).")
+
+
+def gpt2_small() -> GPTConfig:
+    """Return GPT-2 small's shape: 12 layers, 12 heads, width 768, about 124M parameters."""
+    return GPTConfig()
+
+
+def tiny() -> GPTConfig:
+    """Return a GPT small enough to train on a laptop CPU in seconds (~29k parameters)."""
+    return GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where each position sees only earlier ones."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map (B, T, C) to (B, T, C)."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, heads, T, C / heads)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: attention then a 4x-wide MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map (B, T, C) to (B, T, C)."""
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style language model; the output projection shares the token embedding's weight.
+
+    Args:
+        cfg: the shape (see :func:`gpt2_small` and :func:`tiny`).
+        seed: initialisation seed (``None``: use the global generator).
+    """
+
+    def __init__(self, cfg: GPTConfig | None = None, seed: int | None = 0):
+        super().__init__()
+        self.cfg = cfg = cfg or tiny()
+        with _seeded(seed):
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+            self.drop = nn.Dropout(cfg.dropout)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.ln_f = nn.LayerNorm(cfg.n_embd)
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+            self.apply(self._init_weights)
+            # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) so that the
+            # residual stream's variance does not grow with depth.
+            for name, p in self.named_parameters():
+                if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                    nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Compute logits, and the mean cross-entropy when ``targets`` is given.
+
+        Args:
+            idx: token ids, int64 (B, T) with T <= block_size.
+            targets: next-token ids (B, T), or None.
+
+        Returns:
+            ``(logits, loss)``: logits (B, T, vocab_size); loss a scalar or None.
+        """
+        T = idx.shape[1]
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}.")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
+
+    def num_parameters(self) -> int:
+        """Count parameters, a tied weight once."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def random_tokens(batch: int, cfg: GPTConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make a deterministic batch of random token ids and their next-token targets.
+
+    Args:
+        batch: number of sequences.
+        cfg: model shape (vocab and sequence length taken from it).
+        seed: generator seed.
+
+    Returns:
+        ``(idx, targets)``, both int64 (batch, block_size).
+    """
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+    return data[:, :-1], data[:, 1:]

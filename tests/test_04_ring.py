@@ -1,0 +1,272 @@
+"""Ring reduce-scatter / all-gather / all-reduce against dist.all_reduce, on gloo with 1-4 ranks.
+
+One launch per world size runs every case and returns the raw tensors; the
+assertions run here in the parent, so a failure names the case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dpcourse
+from dpcourse.comm import (CommTrace, chunk_bounds, ring_all_gather, ring_all_reduce,
+                           ring_reduce_scatter, ring_step_chunks)
+
+WORLD_SIZES = (1, 2, 3, 4)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+PIPELINES = (1, 2, 3)  # 1: the plain loop; 2, 3: the pipelined path (3: uneven slices)
+BIG = 10007  # prime: never divisible by the world size
+SUBGROUP = {3: [0, 2], 4: [1, 2, 3]}
+
+
+def lengths(world_size: int) -> list[int]:
+    """0, 1, fewer than the ranks, not divisible, and large-ish."""
+    return sorted({0, 1, max(world_size - 1, 0), 2 * world_size + 1, BIG})
+
+
+def rank_data(rank: int, n: int, dtype, seed: int, integer: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randint(-8, 9, (n,), generator=g).float() if integer else torch.randn(n, generator=g)
+    return x.to(dtype)
+
+
+def tolerance(dtype, world_size: int) -> dict:
+    """Round-off allowed between two summation orders: a few ulps of the largest partial sum."""
+    eps = torch.finfo(dtype).eps
+    return {"rtol": 4 * eps, "atol": 4 * eps * world_size * 5.0}
+
+
+def _against_library(fn, world_size, group=None):
+    """Run ``fn`` and dist.all_reduce on the same inputs for every length/dtype/data kind."""
+    rank = dist.get_rank()
+    out = []
+    for n in lengths(world_size):
+        for dtype in DTYPES:
+            for integer in (True, False):
+                x = rank_data(rank, n, dtype, seed=n, integer=integer)
+                expected, got = x.clone(), x.clone()
+                dist.all_reduce(expected, group=group)
+                fn(got)
+                out.append(((n, str(dtype), integer), got, expected))
+    return out
+
+
+def ring_worker(world_size: int) -> dict:
+    rank = dist.get_rank()
+    res = {}
+    for k in PIPELINES[:2]:
+        res[f"all_reduce/{k}"] = _against_library(
+            lambda t, k=k: ring_all_reduce(t, num_pipeline_chunks=k), world_size)
+
+    # Shapes: a matrix, a 0-d tensor, and a transposed (non-contiguous) view
+    # whose base tensor must see the result.
+    torch.manual_seed(rank)
+    shapes = []
+    for x in (torch.randn(5, 7), torch.randn(()), torch.randn(7, 5).t()):
+        expected = x.clone()
+        dist.all_reduce(expected)
+        for k in (1, 2):
+            got = x.clone() if x.is_contiguous() else x.t().clone().t()
+            assert got.is_contiguous() == x.is_contiguous()
+            ring_all_reduce(got, num_pipeline_chunks=k)
+            shapes.append((tuple(x.shape), got, expected))
+    res["shapes"] = shapes
+
+    # The two halves on their own.
+    halves = []
+    for k in PIPELINES:
+        for n in lengths(world_size):
+            x = rank_data(rank, n, torch.float32, seed=7 + n, integer=True)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            scattered = x.clone()
+            ring_reduce_scatter(scattered, num_pipeline_chunks=k)
+            a, b = chunk_bounds(n, world_size, rank)
+            gathered = torch.full((n,), float("nan"))
+            gathered[a:b] = torch.arange(a, b, dtype=torch.float32) + 1000 * rank
+            ring_all_gather(gathered, num_pipeline_chunks=k)
+            halves.append((k, n, scattered, expected, gathered))
+    res["halves"] = halves
+
+    # Structure: only point-to-point, to the right neighbour, 2(N-1)/N of the bytes.
+    traces = {}
+    for k in PIPELINES:
+        for n in (BIG, max(world_size - 1, 1)):
+            t = torch.ones(n)
+            with CommTrace() as tr:
+                ring_all_reduce(t, num_pipeline_chunks=k)
+            traces[(k, n)] = dict(ops=tr.collective_ops(), sent=tr.bytes_sent(),
+                                  received=tr.bytes_received(), isend=tr.count("isend"),
+                                  send_peers={e.peer for e in tr.of("isend")},
+                                  recv_peers={e.peer for e in tr.of("irecv")})
+    res["traces"] = traces
+
+    # The last of many calls is as right as the first (no ordering drift between calls).
+    # (4 ranks on 2 cores are slow to switch between, so they do fewer.)
+    wrong = 0
+    for i in range(200 if world_size < 4 else 100):
+        t = torch.arange(37, dtype=torch.float32) + rank + i
+        ring_all_reduce(t, num_pipeline_chunks=(1, 3, "auto")[i % 3])
+        want = world_size * (torch.arange(37, dtype=torch.float32) + i) + sum(range(world_size))
+        wrong += int(not torch.equal(t, want))
+    res["repeat_wrong"] = wrong
+    leaf = torch.ones(3, requires_grad=True)  # in place on a leaf, as dist.all_reduce allows
+    ring_all_reduce(leaf)
+    res["leaf"] = leaf.detach()
+
+    if world_size in SUBGROUP:
+        members = SUBGROUP[world_size]
+        group = dist.new_group(members)
+        if rank in members:
+            res["subgroup"] = _against_library(
+                lambda t: ring_all_reduce(t, group=group, num_pipeline_chunks=2),
+                len(members), group=group)
+        else:
+            try:
+                ring_all_reduce(torch.ones(4), group=group)
+                res["subgroup_outsider"] = "no error"
+            except ValueError as exc:
+                res["subgroup_outsider"] = str(exc)
+    return res
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+def ring_results(request):
+    n = request.param
+    return n, dpcourse.run(ring_worker, n, world_size=n, backend="gloo", timeout=120)
+
+
+def _assert_cases(cases, world_size, label):
+    for (n, dtype, integer), got, expected in cases:
+        msg = f"{label}: n={n} {dtype} {'integer' if integer else 'randn'} data"
+        assert got.shape == expected.shape and got.dtype == expected.dtype, msg
+        if integer:  # small integers sum exactly in every dtype, whatever the order
+            assert torch.equal(got, expected), msg
+        else:
+            torch.testing.assert_close(got, expected, **tolerance(got.dtype, world_size), msg=msg)
+
+
+def test_all_reduce_matches_library(ring_results):
+    world_size, ranks = ring_results
+    for rank, res in enumerate(ranks):
+        for key in [f"all_reduce/{k}" for k in PIPELINES[:2]]:
+            _assert_cases(res[key], world_size, f"rank {rank} {key}")
+
+
+def test_shapes_and_non_contiguous(ring_results):
+    world_size, ranks = ring_results
+    for res in ranks:
+        for shape, got, expected in res["shapes"]:
+            assert got.shape == shape
+            torch.testing.assert_close(got, expected, **tolerance(torch.float32, world_size))
+
+
+def test_reduce_scatter_owns_chunk_rank_and_all_gather_reassembles(ring_results):
+    world_size, ranks = ring_results
+    for rank, res in enumerate(ranks):
+        for k, n, scattered, expected, gathered in res["halves"]:
+            a, b = chunk_bounds(n, world_size, rank)
+            assert torch.equal(scattered[a:b], expected[a:b]), (rank, k, n)
+            owners = torch.cat([torch.full((e - s,), 1000.0 * r) for r in range(world_size)
+                                for s, e in [chunk_bounds(n, world_size, r)]])
+            assert torch.equal(gathered, torch.arange(n, dtype=torch.float32) + owners), (k, n)
+
+
+def test_trace_is_point_to_point_with_2_n_minus_1_over_n_bytes(ring_results):
+    world_size, ranks = ring_results
+    for rank, res in enumerate(ranks):
+        for (k, n), tr in res["traces"].items():
+            assert tr["ops"] == set(), tr  # no all_reduce, broadcast, ...
+            size = [e - s for s, e in (chunk_bounds(n, world_size, c) for c in range(world_size))]
+            if world_size == 1:
+                assert tr["sent"] == tr["received"] == 0
+                continue
+            # reduce-scatter sends every chunk but our own, all-gather every chunk but the next.
+            want = 4 * ((n - size[rank]) + (n - size[(rank + 1) % world_size]))
+            assert tr["sent"] == want, (rank, k, n, tr)
+            # ... and receives every chunk but the left one's, then every chunk but our own.
+            assert tr["received"] == 4 * ((n - size[(rank - 1) % world_size]) + (n - size[rank]))
+            assert tr["send_peers"] <= {(rank + 1) % world_size}
+            assert tr["recv_peers"] <= {(rank - 1) % world_size}
+            if n == BIG:
+                assert tr["isend"] == 2 * (world_size - 1) * k
+
+
+def test_repeated_calls_stay_correct(ring_results):
+    _, ranks = ring_results
+    assert [res["repeat_wrong"] for res in ranks] == [0] * len(ranks)
+    for res in ranks:
+        assert torch.equal(res["leaf"], torch.full((3,), float(len(ranks))))
+
+
+def test_subgroup(ring_results):
+    world_size, ranks = ring_results
+    if world_size not in SUBGROUP:
+        pytest.skip("subgroups are checked with 3 and 4 ranks")
+    members = SUBGROUP[world_size]
+    for rank, res in enumerate(ranks):
+        if rank in members:
+            _assert_cases(res["subgroup"], len(members), f"rank {rank} subgroup {members}")
+        else:
+            assert "not a member" in res["subgroup_outsider"]
+
+
+def test_chunk_bounds_cover_the_tensor():
+    for n in (0, 1, 3, 10, 10007):
+        for world_size in (1, 2, 3, 4, 7):
+            bounds = [chunk_bounds(n, world_size, i) for i in range(world_size)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(bounds[i][1] == bounds[i + 1][0] for i in range(world_size - 1))
+            sizes = [e - s for s, e in bounds]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    with pytest.raises(ValueError):
+        chunk_bounds(10, 2, 2)
+
+
+def test_ring_schedule_visits_every_chunk_once_per_phase():
+    for world_size in (2, 3, 5):
+        for rank in range(world_size):
+            steps = range(world_size - 1)
+            rs = [ring_step_chunks(rank, world_size, "reduce_scatter", s) for s in steps]
+            ag = [ring_step_chunks(rank, world_size, "all_gather", s) for s in steps]
+            # What I receive at a step is what I send at the next one.
+            assert all(rs[s][1] == rs[s + 1][0] for s in range(world_size - 2))
+            assert rs[-1][1] == rank and ag[0][0] == rank  # rank r owns chunk r in between
+            # My left neighbour sends me exactly what I expect to receive.
+            left = (rank - 1) % world_size
+            for phase, mine in (("reduce_scatter", rs), ("all_gather", ag)):
+                assert [ring_step_chunks(left, world_size, phase, s)[0]
+                        for s in range(world_size - 1)] == [r for _, r in mine]
+
+
+def nccl_ring_worker() -> dict:
+    """The same comparisons on CUDA tensors over NCCL (first call on a 1-element tensor)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank)
+    cases = []
+    for k in (1, 2, 3, "auto"):
+        for n in [1] + lengths(world_size) + [(64 << 20) // 4]:
+            for dtype in DTYPES:
+                x = rank_data(rank, n, dtype, seed=n, integer=True).to(device)
+                expected, got = x.clone(), x.clone()
+                ring_all_reduce(got, num_pipeline_chunks=k)  # the very first call is the ring's
+                dist.all_reduce(expected)
+                # Integer-valued data sum exactly: compare on the GPU, return only the verdict.
+                cases.append((k, n, str(dtype), torch.equal(got, expected)))
+    wrong = 0
+    t = torch.ones(1000, device=device)
+    for i in range(1000):
+        t.fill_(rank + i)
+        ring_all_reduce(t, num_pipeline_chunks=(1, 2)[i % 2])
+        wrong += int(not torch.all(t == world_size * i + sum(range(world_size))).item())
+    return {"cases": cases, "repeat_wrong": wrong}
+
+
+@pytest.mark.gpu(2)
+def test_ring_on_nccl():
+    ranks = dpcourse.run(nccl_ring_worker, world_size=2, backend="nccl", timeout=300)
+    for rank, res in enumerate(ranks):
+        assert [c for c in res["cases"] if not c[-1]] == [], f"rank {rank}: wrong sums"
+        assert res["repeat_wrong"] == 0

@@ -1,0 +1,151 @@
+"""Lesson 06: DataParallelOverlapped starts all-reduces during backward and stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dpcourse
+from dpcourse.comm import CommTrace
+from dpcourse.ddp import DataParallelBucketed, DataParallelOverlapped
+from dpcourse.models import UnusedLayerMLP
+from ddp_helpers import (assert_three_ways_agree, global_batch, loss_of, make_model,
+                         train_three_ways)
+from test_03_naive_ddp import gather_sum_all_reduce
+
+CASES = [("deep_mlp", 0.0), ("deep_mlp", 0.003), ("gpt", 25.0), ("gpt", 0.004),
+         ("frozen_bias", 0.0002), ("tied", 0.0)]
+
+
+def _timeline(kind: str, steps: int = 3) -> dict:
+    """Issue times of the all-reduces relative to the end of backward, for a deep model."""
+    cls = DataParallelOverlapped if kind == "overlapped" else DataParallelBucketed
+    model = cls(make_model("deep_mlp"), bucket_cap_mb=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"counts": [], "before_end": [], "async": [], "n_buckets": len(model.buckets)}
+    for step in range(steps):
+        x, y = global_batch("deep_mlp", step)
+        with CommTrace() as trace:
+            model.trace = trace
+            loss_of("deep_mlp", model, x, y).backward()
+        end = dict(trace.marks)["backward_end"]
+        events = trace.of("all_reduce")
+        out["counts"].append(len(events))
+        out["before_end"].append(sum(e.start < end for e in events))
+        out["async"].append(all(e.async_op and e.end is not None for e in events))
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 1)
+    return out
+
+
+def _custom_all_reduce() -> dict:
+    calls = []
+
+    def counting(tensor, group=None):
+        calls.append(tensor.numel())
+        gather_sum_all_reduce(tensor, group=group)
+
+    train = train_three_ways("overlapped", "gpt", steps=3,
+                             wrapper_kwargs={"bucket_cap_mb": 0.004, "all_reduce": counting})
+    n = len(DataParallelOverlapped(make_model("gpt"), bucket_cap_mb=0.004).buckets)
+    return {"train": train, "calls": len(calls), "n_buckets": n}
+
+
+def _errors() -> dict:
+    errors = {}
+    model = DataParallelOverlapped(UnusedLayerMLP(), bucket_cap_mb=0.0)
+    x, y = global_batch("mlp", 0)
+    try:
+        loss_of("mlp", model, x, y).backward()
+    except RuntimeError as exc:
+        errors["unused"] = str(exc)
+    # The wrapper recovers: freeze the unused layer in a fresh wrapper and train on.
+    model = DataParallelOverlapped(make_model("mlp"), bucket_cap_mb=0.0)
+    loss = loss_of("mlp", model, x, y)
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        errors["twice"] = str(exc)
+    return errors
+
+
+def overlap_checks() -> dict:
+    """Every multi-rank check of this lesson on one rank."""
+    out = {"train": {f"{n}@{c}": train_three_ways("overlapped", n, steps=5,
+                                                 wrapper_kwargs={"bucket_cap_mb": c})
+                     for n, c in CASES}}
+    out["batchnorm"] = train_three_ways("overlapped", "batchnorm", steps=4, single=False,
+                                        wrapper_kwargs={"bucket_cap_mb": 0.0})
+    out["timeline"] = {k: _timeline(k) for k in ("overlapped", "bucketed")}
+    out["custom"] = _custom_all_reduce()
+    out["errors"] = _errors()
+    from dpcourse import demo
+
+    out["demo"] = demo.train(steps=3)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def results(request):
+    return dpcourse.run(overlap_checks, world_size=request.param, backend="gloo")
+
+
+@pytest.mark.parametrize("case", [f"{n}@{c}" for n, c in CASES])
+def test_matches_torch_ddp_and_single_process_every_step(results, case):
+    assert_three_ways_agree([r["train"][case] for r in results], label=case)
+
+
+def test_buffers_broadcast_at_each_forward_like_torch_ddp(results):
+    assert_three_ways_agree([r["batchnorm"] for r in results], label="batchnorm")
+
+
+def test_all_reduces_start_before_backward_ends(results):
+    for r in results:
+        t = r["timeline"]["overlapped"]
+        n = t["n_buckets"]
+        assert n == 12 and t["counts"] == [n] * 3
+        # All but the first layer's buckets are on the wire before backward is over
+        # (the first layer's weight and bias are the last gradients to arrive).
+        assert all(k >= n - 2 for k in t["before_end"]), t["before_end"]
+        assert all(t["async"])
+
+
+def test_bucketed_waits_for_the_end_of_backward(results):
+    for r in results:
+        t = r["timeline"]["bucketed"]
+        assert t["counts"] == [t["n_buckets"]] * 3 and t["before_end"] == [0, 0, 0]
+
+
+def test_custom_synchronous_all_reduce_works(results):
+    c = results[0]["custom"]
+    assert c["n_buckets"] > 1 and c["calls"] == 3 * c["n_buckets"]
+    assert_three_ways_agree([r["custom"]["train"] for r in results], label="all_reduce=")
+
+
+def test_clear_errors(results):
+    e = results[0]["errors"]
+    assert "unused.weight" in e["unused"] and "unused.bias" in e["unused"]
+    assert "fc1" not in e["unused"]
+    assert "backward" in e["twice"] and "once" in e["twice"]
+
+
+def test_demo_trains_every_wrapper_like_torch_ddp(results):
+    from dpcourse.demo import format_rows
+
+    rows = results[0]["demo"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert set(r["max_diff"]) == {"DataParallelNaive", "DataParallelBucketed",
+                                      "DataParallelOverlapped"}
+        assert max(r["max_diff"].values()) < 1e-5
+        assert len(set(round(v, 4) for v in r["loss"].values())) == 1
+    table = format_rows(rows, len(results), "gloo")
+    assert "Overlapped" in table and len(table.splitlines()) == 2 + len(rows)
+
+
+def test_wrapping_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="process group"):
+        DataParallelOverlapped(make_model("mlp"))

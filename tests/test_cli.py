@@ -1,0 +1,113 @@
+"""``dpcourse doctor`` and ``dpcourse launch`` (torchrun): command building and real runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dpcourse
+from dpcourse import cli
+
+pytestmark = pytest.mark.usefixtures("no_leaked_processes")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join("tests", "torchrun_allreduce.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+@pytest.mark.parametrize("gpus, argv, expected", [
+    (0, ["train.py"], ["--nproc-per-node=2", "--standalone", "train.py"]),
+    (4, ["train.py", "--lr", "0.1"], ["--nproc-per-node=4", "--standalone", "train.py", "--lr",
+                                      "0.1"]),
+    (4, ["--nproc-per-node", "3", "train.py"], ["--standalone", "--nproc-per-node", "3",
+                                               "train.py"]),
+    (0, ["--nproc_per_node=1", "train.py"], ["--standalone", "--nproc_per_node=1", "train.py"]),
+    (0, ["--standalone", "train.py"], ["--nproc-per-node=2", "--standalone", "train.py"]),
+    (2, ["--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
+         "train.py"],
+     ["--nproc-per-node=2", "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
+      "--rdzv-endpoint=10.0.0.1:29400", "train.py"]),
+    (0, ["--master-addr", "10.0.0.1", "train.py"], ["--nproc-per-node=2", "--master-addr",
+                                                    "10.0.0.1", "train.py"]),
+], ids=["cpu-default", "gpus-default", "nproc-given", "nproc-underscore", "standalone-given",
+        "multi-node", "master-addr"])
+def test_torchrun_command(monkeypatch, gpus, argv, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert cli.torchrun_command(argv) == TORCHRUN + expected
+
+
+def test_doctor_prints_versions_default_backend_and_checks_an_all_reduce(capsys):
+    assert cli.main(["doctor", "--check"]) == 0
+    out = capsys.readouterr().out
+    backend, world_size = dpcourse.resolve_backend()
+    assert re.search(rf"^torch +{re.escape(torch.__version__)}$", out, re.MULTILINE)
+    assert re.search(r"^python +\d+\.\d+\.\d+$", out, re.MULTILINE)
+    assert re.search(rf"^dpcourse.run default +backend={backend}, world_size={world_size}$",
+                     out, re.MULTILINE)
+    sums = re.escape(str([world_size] * world_size))
+    assert re.search(rf"^all_reduce check +ok \({sums}\)$", out, re.MULTILINE), out
+
+
+def _dpcourse(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpcourse.cli", *args], cwd=ROOT, text=True,
+                          check=False, capture_output=True, timeout=timeout)
+
+
+def test_launch_runs_a_script_on_two_processes():
+    proc = _dpcourse("launch", SCRIPT)
+    assert proc.returncode == 0, proc.stderr
+    assert "--nproc-per-node=2 --standalone tests/torchrun_allreduce.py" in proc.stderr
+    ranks = sorted(re.findall(r"^rank (\d) of 2: sum 3,", proc.stdout, re.MULTILINE))
+    assert ranks == ["0", "1"], proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_over_a_loopback_rendezvous():
+    """Two torchrun "nodes" on this host meet at a c10d rendezvous and run the demo."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dpcourse.cli", "launch", "--nnodes=2", f"--node-rank={i}",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--nproc-per-node=1",
+             "-m", "dpcourse.demo", "--steps", "3", "--backend", "gloo"],
+            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for i in (0, 1)
+    ]
+    try:
+        outs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
+    for node, (_, err) in zip(nodes, outs):
+        assert node.returncode == 0, err
+        assert "--standalone" not in err  # the rendezvous given is used as is
+    # Rank 0 (on whichever node the rendezvous made it) prints the demo's table.
+    out = "".join(out for out, _ in outs)
+    assert "world_size=2, backend=gloo" in out, out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+\d+\s", line)]
+    assert [int(r[0]) for r in rows] == [0, 1, 2], out
+    for r in rows:
+        losses, diffs = [float(x) for x in r[1:5]], [float(x) for x in r[5:]]
+        assert max(losses) - min(losses) < 1e-4 and len(diffs) == 3 and max(diffs) < 1e-5, out
+
+
+def test_launch_reports_a_failing_script(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "raise SystemExit(f'rank {dist.get_rank()} gives up')\n")
+    proc = _dpcourse("launch", "--nproc-per-node=1", str(script))
+    assert proc.returncode == 1
+    assert "rank 0 gives up" in proc.stderr
