@@ -36,5 +36,8 @@ demo: setup
 doctor: setup
 	$(VENV)/bin/dpcourse doctor
 
+exercises: setup  ## regenerate exercises/ from solutions/ (after editing a solution)
+	$(PY) -m dpcourse.grading.make_exercises
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -189,10 +189,12 @@ class Launch:
 
     def _stop_once(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
+            # The whole process group: the rank and anything it started (even if the
+            # rank itself is already gone, e.g. data-loading processes).
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                if proc.poll() is None:
                     proc.kill()
         for proc in self.procs:
             proc.wait()

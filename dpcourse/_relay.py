@@ -33,7 +33,7 @@ class Relay:
     def __init__(self, prefix_output: bool = True, tail: int = 40):
         self.prefix_output = prefix_output
         self.lines: queue.Queue = queue.Queue()
-        self.threads: list[threading.Thread] = []
+        self.threads: dict[int, list[threading.Thread]] = collections.defaultdict(list)
         self.tails: dict[int, collections.deque] = collections.defaultdict(
             lambda: collections.deque(maxlen=tail))
 
@@ -43,7 +43,7 @@ class Relay:
             t = threading.Thread(target=_pump, args=(rank, name, stream, self.lines),
                                  name=f"dpcourse-relay-{rank}-{name}", daemon=True)
             t.start()
-            self.threads.append(t)
+            self.threads[rank].append(t)
 
     def show(self) -> None:
         """Write every line received so far to ``sys.stdout`` / ``sys.stderr``."""
@@ -64,12 +64,18 @@ class Relay:
                 stream.write("".join(parts))
                 stream.flush()
 
-    def stderr_tail(self, rank: int) -> str:
-        """The last lines a rank wrote to stderr (after ``show``)."""
+    def stderr_tail(self, rank: int, timeout: float = 1.0) -> str:
+        """The last lines a rank that has exited wrote to stderr (e.g. an abort message).
+
+        Waits up to ``timeout`` s for its pipes to be read to the end first.
+        """
+        for t in self.threads[rank]:
+            t.join(timeout=timeout)
         self.show()
         return "".join(self.tails[rank])
 
     def close(self, timeout: float = 2.0) -> None:
         """Wait for the pumps to reach end of file (the ranks have exited)."""
-        for t in self.threads:
-            t.join(timeout=timeout)
+        for threads in self.threads.values():
+            for t in threads:
+                t.join(timeout=timeout)

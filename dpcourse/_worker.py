@@ -158,8 +158,8 @@ def main(workdir: str, rank: int, parent_pid: int) -> None:
     release = _watch_parent(parent_pid)
     # On SIGUSR1 (sent by the launcher at a timeout) write every thread's stack,
     # so the learner sees which collective each rank was stuck in. faulthandler
-    # writes from C, so it works while the main thread is blocked in gloo/NCCL.
-    # Open for the life of the process: faulthandler writes to it from C.
+    # writes from C, so it works while the main thread is blocked in gloo/NCCL;
+    # the file stays open for the life of the process.
     stack_file = open(os.path.join(workdir, f"rank{rank}.stack"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     returned = _call(workdir, rank, os.path.join(workdir, f"rank{rank}.result"))

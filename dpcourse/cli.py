@@ -108,6 +108,12 @@ def launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def grade(args: argparse.Namespace) -> int:
+    from dpcourse.grading import autograde
+
+    return autograde.cli(args)
+
+
 def demo(args: argparse.Namespace) -> int:
     from dpcourse import demo as demo_mod
 
@@ -126,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "launch", help="run a script on several processes via torchrun",
         description="Run a training script via torchrun. Every argument is torchrun's: "
         "e.g. `dpcourse launch --nproc-per-node 2 train.py`. Without --nproc-per-node, one "
-        "process per GPU (2 on CPU); without --nnodes/--rdzv-endpoint, a standalone rendezvous.")
+        "process per GPU (2 on CPU); without --nnodes/--rdzv-endpoint, a standalone rendezvous. "
+        "torchrun's rendezvous ports listen on every network interface (--standalone too): "
+        "on an untrusted network, firewall them.")
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=launch)
 
@@ -144,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="notebooks or folders of notebooks")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per notebook")
-    p.set_defaults(func=lambda a: __import__("dpcourse.grading.autograde", fromlist=["cli"]).cli(a))
+    p.set_defaults(func=grade)
     return parser
 
 

@@ -24,6 +24,7 @@ import socket
 import sys
 
 from dpcourse._procs import STARTUP_TIMEOUT, Launch
+from dpcourse.errors import RankDiedError, RankError, RankTimeoutError
 
 DEFAULT_TIMEOUT = 120.0
 LOOPBACK = "127.0.0.1"
@@ -148,16 +149,23 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto",
     backend, world_size = resolve_backend(backend, world_size)
     timeout = _check_timeout(timeout)
     call = _serialize_call(fn, args, kwargs)
-    store = _loopback_store()
-    spec = {"call": call, "world_size": world_size, "backend": backend, "host": LOOPBACK,
-            "port": store.port, "prefix": "dpcourse", "timeout": timeout,
-            # Longer than ours (startup included): a hang is caught by the launcher,
-            # which shows where every waiting rank is, rather than by one rank's gloo error.
-            "pg_timeout": timeout + STARTUP_TIMEOUT, "sys_path": list(sys.path)}
-    launch = Launch(spec, timeout, prefix_output)
+    store = launch = failure = None
     try:
+        store = _loopback_store()
+        spec = {"call": call, "world_size": world_size, "backend": backend, "host": LOOPBACK,
+                "port": store.port, "prefix": "dpcourse", "timeout": timeout,
+                # Longer than ours (startup included): a hang is caught by the launcher,
+                # which shows where every waiting rank is, not by one rank's gloo error.
+                "pg_timeout": timeout + STARTUP_TIMEOUT, "sys_path": list(sys.path)}
+        launch = Launch(spec, timeout, prefix_output)
         launch.start()
         return launch.wait()
+    except (RankError, RankDiedError, RankTimeoutError) as err:
+        failure = err
     finally:
-        launch.stop()
-        del store
+        if launch is not None:
+            launch.stop()
+        del store  # closes the listening socket
+    # Raised here, without the launcher's frames: the message carries the rank's own
+    # traceback, and a notebook shows just the cell's line and this one.
+    raise failure.with_traceback(None)

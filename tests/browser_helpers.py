@@ -42,12 +42,13 @@ def jupyter_lab(root: str, timeout: float = 60.0):
     """Run JupyterLab on loopback with a random port and token; yield its base URL and token.
 
     Config, data and runtime directories point into ``root`` so the server reads no
-    user settings and leaves nothing behind; the server's kernels use this Python.
+    user settings or kernels and leaves nothing behind; its kernels run this Python.
     """
     port, token = free_port(), secrets.token_hex(16)
     home = os.path.join(root, "_jupyter")
     env = dict(os.environ, JUPYTER_CONFIG_DIR=os.path.join(home, "config"),
                JUPYTER_RUNTIME_DIR=os.path.join(home, "runtime"),
+               JUPYTER_DATA_DIR=os.path.join(home, "data"), JUPYTER_PREFER_ENV_PATH="1",
                IPYTHONDIR=os.path.join(home, "ipython"), JUPYTER_PLATFORM_DIRS="1",
                MPLBACKEND="module://matplotlib_inline.backend_inline")
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1",
@@ -79,7 +80,8 @@ def jupyter_lab(root: str, timeout: float = 60.0):
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not answer within {timeout} s; see {log.name}")
+                    raise RuntimeError(
+                        f"JupyterLab did not answer within {timeout} s; see {log.name}")
                 time.sleep(0.3)
         yield url, token
     finally:
@@ -104,8 +106,10 @@ def wait_for_connected_kernel(url: str, token: str, timeout: float = 90.0) -> No
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, ValueError):
-            kernels = json.load(urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=5))
-            if any(k.get("connections", 0) >= 1 and k.get("execution_state") == "idle" for k in kernels):
+            reply = urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=5)
+            kernels = json.load(reply)
+            if any(k.get("connections", 0) >= 1 and k.get("execution_state") == "idle"
+                   for k in kernels):
                 return
         time.sleep(0.3)
     raise RuntimeError(f"no kernel became idle with a connected browser within {timeout} s")

@@ -7,6 +7,7 @@ them by reference (tests/ is on sys.path); assertions run in the parent.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import types
@@ -205,3 +206,13 @@ def test_nccl_launch_after_cuda_is_initialised_here():
     for rank, (backend, device, t) in enumerate(results):
         assert backend == "nccl" and device == rank
         torch.testing.assert_close(t, torch.full((2,), float(n)))
+
+
+def test_worker_entry_point_imports_nothing_heavy():
+    """A rank's only heavy import is torch (when it joins the group): starting is ~1 s, not more."""
+    code = ("import sys, dpcourse._worker; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'numpy', 'matplotlib', 'ipywidgets', 'IPython', 'cloudpickle'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

@@ -12,11 +12,17 @@ from browser_helpers import CHROMIUM_ARGS, find_chromium, jupyter_lab, wait_for_
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
 CELLS = [
-    "from dpcourse.widgets import RingStepper, CostModelSimulator\nstepper = RingStepper(world_size=4)\nstepper",
+    "from dpcourse.widgets import RingStepper, CostModelSimulator\n"
+    "stepper = RingStepper(world_size=4)\n"
+    "stepper",
     "CostModelSimulator()",
-    "import matplotlib.pyplot as plt\nfrom dpcourse import costmodel as cm\n"
-    "curve = cm.scaling_curve([1, 2, 4, 8], 14e9, 0.2, cm.AlphaBeta.from_bandwidth(50e9))\n"
-    "plt.plot([1, 2, 4, 8], [p.efficiency for p in curve], marker='o')\nplt.show()",
+    "import matplotlib.pyplot as plt\n"
+    "from dpcourse import costmodel as cm\n"
+    "link = cm.AlphaBeta.from_bandwidth(50e9)\n"
+    "curve = cm.scaling_curve([1, 2, 4, 8], 14e9, 0.2, link)\n"
+    "plt.figure(figsize=(4, 2.5))\n"
+    "plt.plot([1, 2, 4, 8], [p.efficiency for p in curve], marker='o')\n"
+    "plt.show()",
 ]
 SCREENSHOT_DIR = os.environ.get("DPCOURSE_SCREENSHOT_DIR")
 
@@ -74,7 +80,8 @@ def test_widgets_render_and_respond_in_jupyterlab(tmp_path):
                     f"(pip install playwright); found chromium={chromium}, "
                     f"playwright={'yes' if sync_playwright else 'no'}")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
     nbformat.write(nb, tmp_path / "widgets.ipynb")
     shot = tmp_path / "jupyterlab_widgets.png"
     t0 = time.monotonic()
@@ -100,12 +107,12 @@ def test_widgets_render_and_respond_in_jupyterlab(tmp_path):
             # The simulator updates live: dragging the ranks slider one notch changes the numbers.
             summary = page.wait_for_selector(".costmodel-summary").inner_text()
             plot_src = page.get_attribute("img.widget-image", "src")
-            handle = page.locator(".widget-slider:has(.widget-label:has-text('ranks')) .noUi-handle")
-            handle.nth(1).focus()  # nth(0) is the stepper's ranks slider
+            ranks = ".widget-slider:has(.widget-label:has-text('ranks'))"
+            page.locator(f"{ranks} .noUi-handle").nth(1).focus()  # nth(0): the stepper's slider
             page.keyboard.press("ArrowRight")
             page.wait_for_function(
                 "old => document.querySelector('.costmodel-summary').innerText !== old", arg=summary)
-            assert "16" in page.inner_text(".widget-slider:has(.widget-label:has-text('ranks')) >> nth=1")
+            assert "16" in page.locator(ranks).nth(1).inner_text()
             # Plots: the simulator's PNG widget and the inline matplotlib figure both loaded
             # (READY_JS checked); the simulator's plot is redrawn for the new ranks value.
             page.wait_for_function(
@@ -118,7 +125,8 @@ def test_widgets_render_and_respond_in_jupyterlab(tmp_path):
             raise
         finally:
             browser.close()
-    print(f"\nbrowser test: {time.monotonic() - t0:.1f} s, notebook run {tries}x; screenshot: {shot}")
+    print(f"\nbrowser test: {time.monotonic() - t0:.1f} s, notebook run {tries}x; "
+          f"screenshot: {shot}")
     if SCREENSHOT_DIR:
         os.makedirs(SCREENSHOT_DIR, exist_ok=True)
         print("copied to", shutil.copy(shot, SCREENSHOT_DIR))

@@ -34,7 +34,8 @@ def load_solution(name: str) -> types.ModuleType:
     import nbformat
 
     nb = nbformat.read(ROOT / "solutions" / name, as_version=4)
-    module = types.ModuleType(f"solution_{name[:2]}")  # not importable: sent by value, as in Jupyter
+    # Not importable, so its functions travel by value, as a notebook's do.
+    module = types.ModuleType(f"solution_{name[:2]}")
     for cell in nb.cells:
         if cell.cell_type == "code" and "check(" not in cell.source:
             exec(compile(cell.source, name, "exec"), module.__dict__)
@@ -185,7 +186,8 @@ def test_grader_scores_a_failing_notebook_zero_and_continues(tmp_path):
 # -- framework pieces ---------------------------------------------------------------
 
 def test_stub_keeps_signature_and_docstring_and_numbers_regions():
-    source = ('def f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n'
+    source = ('def f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    return x\n'
+              '    ### END SOLUTION\n'
               '\nclass A:\n    def g(self):\n        ### BEGIN SOLUTION\n        pass\n'
               '        ### END SOLUTION\n')
     out, n = make_exercises.stub_source(source, "04", 3)

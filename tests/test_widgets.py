@@ -100,6 +100,7 @@ def test_stepper_responds_to_slider_buttons_and_world_size():
 def test_simulator_outputs_follow_the_controls():
     sim = CostModelSimulator()
     p0, html0, png0 = sim.prediction, sim.summary.value, sim.plot.value
+    assert sim.params.value == 7e9 and sim.bandwidth_gbs.value == 50
     assert png0[:4] == b"\x89PNG"
     # The seed's example: 7B bf16 on 8 ranks at 50 GB/s moves 24.5 GB per rank per step.
     assert "24.50 GB" in html0 and "memory" in html0
@@ -114,7 +115,7 @@ def test_simulator_outputs_follow_the_controls():
     sim.overlap.value = False
     assert sim.prediction.step_s > before and not sim.prediction.overlap
 
-    sim.params.value = 1e8  # a small model fits and is cheap to all-reduce
+    sim.params.value = 125e6  # a small model fits and is cheap to all-reduce
     assert sim.verdict.memory["total"] < 80e9
     sim.compute_ms.value = 1000.0
     assert sim.verdict.enough and "enough" in sim.summary.value
@@ -122,3 +123,15 @@ def test_simulator_outputs_follow_the_controls():
     n_buckets = sim.prediction.n_buckets
     sim.bucket_cap_mb.value = 1.0
     assert sim.prediction.n_buckets > n_buckets
+
+
+def test_simulator_starts_from_a_fitted_model():
+    from dpcourse.costmodel import AlphaBeta
+
+    fitted = AlphaBeta(alpha=123e-6, beta=1 / 1.37e9, latency="call")
+    sim = CostModelSimulator(model=fitted, params=125e6, compute_ms=30)
+    assert sim.bandwidth_gbs.value == 1.37 and sim.alpha_us.value == 123
+    m = sim.current_model()
+    assert m.latency == "call" and m.alpha == pytest.approx(123e-6) and m.beta == pytest.approx(fitted.beta)
+    with pytest.raises(ValueError, match="finite bandwidth"):
+        CostModelSimulator(model=AlphaBeta(1e-5, 0.0))

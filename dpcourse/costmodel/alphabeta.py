@@ -88,7 +88,8 @@ def latency_terms(world_size: int, latency: str = "ring") -> int:
 
 
 def _check_world_size(world_size) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) \
+            or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
 
 
@@ -107,7 +108,8 @@ class AlphaBeta:
     latency: str = "ring"
 
     @classmethod
-    def from_bandwidth(cls, bandwidth: float, alpha: float = 0.0, latency: str = "ring") -> "AlphaBeta":
+    def from_bandwidth(cls, bandwidth: float, alpha: float = 0.0,
+                       latency: str = "ring") -> "AlphaBeta":
         """Build a model from a link bandwidth in bytes/s (e.g. ``50e9`` for 50 GB/s)."""
         if bandwidth <= 0:
             raise ValueError(f"bandwidth must be positive bytes/s, got {bandwidth!r}.")
@@ -129,7 +131,8 @@ class AlphaBeta:
             Seconds, same shape as ``nbytes``.
         """
         k = latency_terms(world_size, self.latency)
-        out = k * self.alpha + ring_bytes_per_rank(np.asarray(nbytes, dtype=float), world_size) * self.beta
+        sent = ring_bytes_per_rank(np.asarray(nbytes, dtype=float), world_size)
+        out = k * self.alpha + sent * self.beta
         return float(out) if np.ndim(out) == 0 else out
 
     def bus_bandwidth(self, nbytes: float, world_size: int) -> float:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from dpcourse.costmodel.alphabeta import AlphaBeta, dtype_bytes, ring_bytes_per_rank
 from dpcourse.costmodel.step import StepPrediction, predict_step_time
 
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # fp32 states per param
+# Bytes of fp32 optimizer state per parameter: Adam keeps two moments, momentum SGD one.
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}
 
 
 def memory_per_rank(n_params: float, dtype="bf16", optimizer: str = "adam",
@@ -27,7 +28,8 @@ def memory_per_rank(n_params: float, dtype="bf16", optimizer: str = "adam",
         ``{"weights", "grads", "optimizer", "master_weights", "total"}`` in bytes.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}.")
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, "
+                         f"got {optimizer!r}.")
     b = dtype_bytes(dtype)
     out = {"weights": n_params * b, "grads": n_params * b,
            "optimizer": n_params * OPTIMIZER_STATE_BYTES[optimizer],
@@ -36,7 +38,8 @@ def memory_per_rank(n_params: float, dtype="bf16", optimizer: str = "adam",
     return out
 
 
-def allreduce_traffic(n_params: float, dtype, world_size: int, bandwidth: float) -> dict[str, float]:
+def allreduce_traffic(n_params: float, dtype, world_size: int,
+                      bandwidth: float) -> dict[str, float]:
     """Return the gradient bytes each rank sends per step and the time at ``bandwidth``.
 
     Args:

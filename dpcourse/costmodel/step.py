@@ -32,8 +32,8 @@ def bucket_sizes(grad_bytes, bucket_cap_mb: float = 25.0) -> np.ndarray:
         if total < 0:
             raise ValueError(f"grad_bytes must be >= 0, got {grad_bytes!r}.")
         if cap == 0:
-            raise ValueError("bucket_cap_mb=0 (one bucket per parameter) needs per-parameter sizes: "
-                             "pass grad_bytes as a list.")
+            raise ValueError("bucket_cap_mb=0 (one bucket per parameter) needs per-parameter "
+                             "sizes: pass grad_bytes as a list.")
         full, rest = divmod(total, cap)
         return np.concatenate([np.full(int(full), cap), [rest] if rest > 0 else []])
     buckets, current = [], 0.0

@@ -60,7 +60,11 @@ class DataParallelBucketed(DataParallelBase):
             param.grad = view
 
     def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
-        self._point_grad_at_bucket(index, param)
+        # Runs once per parameter per backward on autograd's thread: keep the
+        # common case (gradient already in its bucket) to two lookups.
+        b, k = self._where[index]
+        if param.grad is not self.buckets[b].views[k]:
+            self._point_grad_at_bucket(index, param)
 
     @torch.no_grad()
     def _attach_grads_to_buckets(self) -> None:

@@ -63,8 +63,9 @@ def execute(path: str, timeout: float, grade_file: str) -> tuple[str, str]:
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = nbformat.read(path, as_version=4)
+    folder = os.path.dirname(os.path.abspath(path))
     client = NotebookClient(nb, km=_kernel_manager(), allow_errors=False,
-                            resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
+                            resources={"metadata": {"path": folder}})
     deadline = time.monotonic() + timeout
     old = os.environ.get(GRADE_FILE_ENV)
     os.environ[GRADE_FILE_ENV] = grade_file  # the kernel inherits it
@@ -78,7 +79,8 @@ def execute(path: str, timeout: float, grade_file: str) -> tuple[str, str]:
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return "timeout", f"notebook time limit ({timeout:g} s) reached before cell {index}"
+                    return "timeout", (f"notebook time limit ({timeout:g} s) reached before "
+                                       f"cell {index}")
                 client.timeout = max(1, int(remaining))
                 client.execute_cell(cell, index)
     except CellTimeoutError:
@@ -162,7 +164,10 @@ def format_table(report: dict) -> str:
     rows = [(r["notebook"], r["exercise"], r["check"], f"{r['passed']}/{r['total']}",
              f"{r['points']:g}/{r['max_points']:g}") for r in report["results"]]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+
+    def line(cells) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
     out = [line(head), line("-" * w for w in widths)] + [line(r) for r in rows]
     out.append(f"total: {report['points']:g}/{report['max_points']:g} points")
     for nb in report["notebooks"]:

@@ -129,7 +129,7 @@ def _case_name(shape, dtype) -> str:
 
 
 class RingAllReduce(CheckSpec):
-    """``ring_all_reduce(tensor, group=None)``: an in-place sum from point-to-point messages only."""
+    """``ring_all_reduce(tensor, group=None)``: an in-place sum from point-to-point messages."""
 
     name, exercise, title = "ring_all_reduce", "04", "Ring all-reduce from send/recv"
     world_sizes = (2, 3, 4)
@@ -209,9 +209,9 @@ class RingAllReduce(CheckSpec):
             rtol, atol = tolerance(backend, dtype, "collective")
             diff = mismatch(got, expected[case], rtol, atol)
             if diff and numel >= ws:
-                wrong = [i for i in range(ws) if mismatch(got.flatten()[slice(*_bounds(numel, ws, i))],
-                                                           expected[case].flatten()[slice(*_bounds(numel, ws, i))],
-                                                           rtol, atol)]
+                chunks = [slice(*_bounds(numel, ws, i)) for i in range(ws)]
+                wrong = [i for i, c in enumerate(chunks)
+                         if mismatch(got.flatten()[c], expected[case].flatten()[c], rtol, atol)]
                 diff += f"; wrong chunks on rank {rank}: {wrong} of {list(range(ws))}"
             rec.record(crit, not diff, f"rank {rank}: {diff}", name)
             self._structure(rec, trace, ws, rank, numel, got.element_size(), name)
@@ -261,7 +261,8 @@ class RingAllReduce(CheckSpec):
 
     @staticmethod
     def _check_half(rec, key, fn, ws, rank, device, expected) -> None:
-        crit = "reduce_scatter_owns_chunk_r" if key == "reduce_scatter" else "all_gather_copies_chunks"
+        crit = ("reduce_scatter_owns_chunk_r" if key == "reduce_scatter"
+                else "all_gather_copies_chunks")
         for _, case, shape, dtype in _cases(ws):
             if dtype != torch.float32:
                 continue

@@ -19,7 +19,8 @@ from dpcourse.grading.runner import CheckSpec
 # The wrappers being taught. assign_buckets stays allowed here: exercise 05 checks it on its own.
 REFERENCE = tuple(f"dpcourse.ddp.{p}" for p in (
     "naive.DataParallelNaive", "bucketed.DataParallelBucketed", "overlapped.DataParallelOverlapped",
-    "base.DataParallelBase", "base.broadcast_module_state", "DataParallelNaive", "DataParallelBucketed", "DataParallelOverlapped")) + (
+    "base.DataParallelBase", "base.broadcast_module_state", "DataParallelNaive",
+    "DataParallelBucketed", "DataParallelOverlapped")) + (
     "dpcourse.comm.naive.all_reduce_per_tensor",)
 
 C_BROADCAST = Criterion(

@@ -71,9 +71,9 @@ class AssignBuckets(CheckSpec):
     )
 
     def run(self, rec, assign, extras, reference):
-        mib_floats = MIB // 4
+        mf = MIB // 4  # float32 elements in one MiB
         cases = [
-            ("closes_at_cap", _params([10, mib_floats // 2, mib_floats // 2, 7, mib_floats, 3]), 1.0),
+            ("closes_at_cap", _params([10, mf // 2, mf // 2, 7, mf, 3]), 1.0),
             ("closes_at_cap", _params([100, 200, 300, 400, 500]), 1000 * 4 / MIB),
             ("closes_at_cap", _params([5] * 9), 25.0),
             ("cap_zero_one_per_param", _params([3, 1, 4, 1, 5]), 0.0),
@@ -137,7 +137,8 @@ class RingCost(CheckSpec):
                 with rec.case("bytes_per_rank", case):
                     got = extras["bytes_per_rank"](nbytes, n)
                 want = 2 * (n - 1) / n * nbytes
-                rec.record("bytes_per_rank", close(got, want), f"got {got}, expected {want:g}", case)
+                rec.record("bytes_per_rank", close(got, want), f"got {got}, expected {want:g}",
+                           case)
         groups = {
             "latency_term": [(0, n, 5e-6, 1e-9) for n in (2, 3, 8)],
             "bandwidth_term": [(nb, n, 0.0, 1 / 50e9) for nb, n in ((1e8, 2), (4e6, 8), (1e9, 3))],

@@ -88,7 +88,8 @@ def train(model: nn.Module, wrapped, accumulation: int = 1, train_step=None, tra
     out = {"grads": [], "params": [], "steps": []}
     for step in range(STEPS):
         if single:  # one process takes the whole global batch in one go
-            shards = [b for r in range(ws) for b in micro_batches(step, r, ws, accumulation, device)]
+            shards = [b for r in range(ws)
+                      for b in micro_batches(step, r, ws, accumulation, device)]
             batches = [(torch.cat([x for x, _ in shards]), torch.cat([y for _, y in shards]))]
         else:
             batches = micro_batches(step, rank, ws, accumulation, device)

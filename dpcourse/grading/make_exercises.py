@@ -89,7 +89,8 @@ def generate(solution_path: str):
         cell.outputs, cell.execution_count = [], None
         cell.metadata.pop("execution", None)
     if region == 1:
-        raise ValueError(f"{solution_path} has no {BEGIN} region: nothing to turn into an exercise.")
+        raise ValueError(f"{solution_path} has no {BEGIN} region: nothing to turn into an "
+                         "exercise.")
     return exercise
 
 

@@ -157,10 +157,12 @@ class CheckResult:
                     for label, text in (("why", c.detail), ("hint", c.hint)) if text.strip())
             rows.append(f"<tr><td style='text-align:center'>{mark}</td>"
                         f"<td><code>{html.escape(c.name)}</code></td>"
-                        f"<td style='text-align:left'>{html.escape(c.description)}{extra}</td></tr>")
+                        f"<td style='text-align:left'>{html.escape(c.description)}{extra}</td>"
+                        "</tr>")
         notes = "".join(f"<div style='color:#57606a'>{html.escape(n)}</div>" for n in self.notes)
         return (f"<div><div style='font-weight:bold;color:{color}'>{html.escape(self.headline())}"
-                f"</div><table style='border-collapse:collapse'>{''.join(rows)}</table>{notes}</div>")
+                f"</div><table style='border-collapse:collapse'>{''.join(rows)}</table>"
+                f"{notes}</div>")
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

@@ -94,7 +94,7 @@ class Reference:
 
 
 def _rank_main(check_name: str, payload: bytes, progress_dir: str) -> bool:
-    """Entry point on every rank: switch the references off, load the learner's code, run the cases."""
+    """Run on every rank: switch the references off, load the learner's code, run the cases."""
     import cloudpickle
     import torch.distributed as dist
 
@@ -104,7 +104,8 @@ def _rank_main(check_name: str, payload: bytes, progress_dir: str) -> bool:
     ws, rank = dist.get_world_size(), dist.get_rank()
     rec = RankRecorder(os.path.join(progress_dir, f"ws{ws}_rank{rank}.jsonl"), ws)
     with forbid(spec.forbidden, spec.forbid_torch_ddp) as guard:
-        objs = cloudpickle.loads(payload)  # now `from dpcourse... import X` resolves to the stand-in
+        # Unpickled only now: `from dpcourse... import X` in a cell resolves to the stand-in.
+        objs = cloudpickle.loads(payload)
         spec.run(rec, objs["main"], objs["extras"], Reference(spec, rec, guard))
     return True
 
@@ -165,7 +166,8 @@ def _describe_failure(err: BaseException, ws: int, records: list[dict]) -> tuple
         if err.exc_type == NOT_IMPLEMENTED:
             return "error", f"not implemented yet: {err.message}"
         tail = "\n".join(err.remote_traceback.strip().splitlines()[-4:])
-        return "error", f"world size {ws}: rank {err.rank} raised {err.exc_type}: {err.message}\n{tail}"
+        return "error", (f"world size {ws}: rank {err.rank} raised {err.exc_type}: "
+                         f"{err.message}\n{tail}")
     if isinstance(err, RankDiedError):
         return "error", f"world size {ws}: rank {err.rank} died (exit status {err.returncode})."
     return "error", f"{type(err).__name__}: {err}"
@@ -180,7 +182,8 @@ def _merge(spec: CheckSpec, criteria: list[Criterion], records: list[dict],
         bad = [r for r in recs if not r["passed"]]
         if c is NO_DEADLOCK:
             ok = failure is None
-            detail = "" if ok else (failure[1] if failure[0] == "timeout" else f"not checked: {stopped}")
+            detail = "" if ok else (failure[1] if failure[0] == "timeout"
+                                    else f"not checked: {stopped}")
         elif c is NO_DELEGATION and static:
             ok, detail = False, "your code refers to: " + "; ".join(static)
         elif bad:
@@ -188,6 +191,8 @@ def _merge(spec: CheckSpec, criteria: list[Criterion], records: list[dict],
             where = f"world size {r['world_size']}" + (f", {r['case']}" if r.get("case") else "")
             ok, detail = False, f"{where}: {r['detail']}" if spec.in_rank else \
                 (f"{r['case']}: {r['detail']}" if r.get("case") else r["detail"])
+            if failure and failure[0] == "error" and r["detail"].startswith("raised"):
+                detail += "\n" + "\n".join(failure[1].splitlines()[1:])  # where it raised
         elif failure is not None:
             ok = False
             detail = (f"checked only in part: {stopped}" if recs else f"not checked: {stopped}")
@@ -195,7 +200,10 @@ def _merge(spec: CheckSpec, criteria: list[Criterion], records: list[dict],
             # No failing case and the run completed. A criterion with no case at all
             # (no_delegation) holds when nothing was refused.
             ok, detail = True, ""
-        results.append(CriterionResult(c.name, c.description, ok, detail, "" if ok else c.hint))
+        # A criterion that never got to run has nothing to hint at: the cause is elsewhere.
+        unchecked = detail.startswith(("not checked", "checked only in part"))
+        results.append(CriterionResult(c.name, c.description, ok, detail,
+                                       "" if ok or unchecked else c.hint))
     return results
 
 
@@ -224,7 +232,8 @@ def run_check(spec: CheckSpec, obj, extras: dict, *, world_sizes=None, timeout=N
     try:
         payload = cloudpickle.dumps({"main": obj, "extras": extras})
     except Exception as exc:  # noqa: BLE001 - the learner's object cannot travel
-        failure = ("error", f"your code could not be sent to the ranks: {type(exc).__name__}: {exc}")
+        failure = ("error", f"your code could not be sent to the ranks: "
+                            f"{type(exc).__name__}: {exc}")
         payload = None
     if payload is not None and spec.in_rank:
         from dpcourse.launch import run
@@ -246,7 +255,8 @@ def run_check(spec: CheckSpec, obj, extras: dict, *, world_sizes=None, timeout=N
                 objs = cloudpickle.loads(payload)
                 spec.run(rec, objs["main"], objs["extras"], Reference(spec, rec, guard))
         except Exception as exc:  # noqa: BLE001 - learner code: report, never crash the notebook
-            failure = ("error", f"not implemented yet: {exc}" if type(exc).__name__ == NOT_IMPLEMENTED
+            missing = type(exc).__name__ == NOT_IMPLEMENTED
+            failure = ("error", f"not implemented yet: {exc}" if missing
                        else f"raised {type(exc).__name__}: {exc}")
         records = rec.records
     if failure and failure[1].startswith("not implemented yet"):

@@ -70,7 +70,8 @@ def simulate_ring(inputs) -> list[RingFrame]:
     if n < 1:
         raise ValueError("simulate_ring needs the inputs of at least one rank.")
     if len({d.shape[0] for d in data}) != 1:
-        raise ValueError("every rank must hold the same number of elements, as with dist.all_reduce.")
+        raise ValueError("every rank must hold the same number of elements, "
+                         "as with dist.all_reduce.")
     numel, itemsize = data[0].shape[0], data[0].itemsize
     owners = [[frozenset([r]) for _ in range(n)] for r in range(n)]
     frames = [_frame("start", 0, (), data, owners)]

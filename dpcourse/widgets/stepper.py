@@ -1,4 +1,4 @@
-"""An ipywidgets stepper through ring all-reduce: who sends which chunk, and what each rank holds."""
+"""A stepper through ring all-reduce: who sends which chunk, and what each rank holds."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def describe_frame(frame: RingFrame) -> str:
     if frame.phase == "start":
         return (f"Start: each of the {n} ranks holds its own gradient, cut into {n} chunks. "
                 "Nothing has been sent yet.")
-    verb = "adds it to its own copy" if frame.phase == "reduce_scatter" else "overwrites its copy with it"
+    verb = ("adds it to its own copy" if frame.phase == "reduce_scatter"
+            else "overwrites its copy with it")
     name = "Reduce-scatter" if frame.phase == "reduce_scatter" else "All-gather"
     return (f"{name} step {frame.step + 1} of {n - 1}: every rank sends one chunk to its right "
             f"neighbour, receives one from its left neighbour and {verb}.")
@@ -63,7 +64,8 @@ def render_frame(frame: RingFrame) -> str:
               "blue outline →: sent this step, orange outline ←: received</small>")
     return (f"<div class='ring-frame' data-phase='{frame.phase}' data-step='{frame.step}'>"
             f"<p>{html.escape(describe_frame(frame))}</p>"
-            f"<table style='border-collapse:collapse'><tr><th></th>{head}</tr>{''.join(rows)}</table>"
+            f"<table style='border-collapse:collapse'><tr><th></th>{head}</tr>"
+            f"{''.join(rows)}</table>"
             f"<p><small>{html.escape(msgs) if msgs else '&nbsp;'}</small></p>{legend}</div>")
 
 
@@ -83,8 +85,9 @@ class RingStepper(widgets.VBox):
         self.seed = seed
         self.world_size = widgets.IntSlider(value=world_size, min=2, max=8, description="ranks")
         self.step = widgets.IntSlider(value=0, min=0, max=2 * (world_size - 1), description="step")
-        self.prev_button = widgets.Button(description="◀ previous", layout=widgets.Layout(width="110px"))
-        self.next_button = widgets.Button(description="next ▶", layout=widgets.Layout(width="110px"))
+        width = widgets.Layout(width="110px")
+        self.prev_button = widgets.Button(description="◀ previous", layout=width)
+        self.next_button = widgets.Button(description="next ▶", layout=width)
         self.table = widgets.HTML()
         self.frames: list[RingFrame] = []
         self.world_size.observe(self._on_world_size, names="value")
