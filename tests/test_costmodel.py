@@ -178,13 +178,13 @@ def test_ddp_step_sweep_reports_the_wrappers_real_buckets():
     ranks = dpcourse.run(ddp_step_sweep, (0, 1e-3), in_features=8, hidden=16, depth=3, batch_size=4,
                          warmup=1, iters=2, world_size=2, backend="gloo", timeout=90)
     rows = ranks[0]
-    assert [(r["variant"], r["bucket_cap_mb"]) for r in rows] == [
-        (v, c) for c in (0, 1e-3) for v in ("local", "bucketed", "overlapped")]
+    assert [(r["variant"], r["bucket_cap_mb"]) for r in rows] == [("local", None)] + [
+        (v, c) for c in (0, 1e-3) for v in ("bucketed", "overlapped")]
     params = [8 * 16, 16, 16 * 16, 16, 16 * 1, 1]  # MLP(8, 16, 1, depth=3): weights and biases
     for r in rows:
-        assert r["grad_bytes"] == 4 * sum(params) and sum(r["bucket_bytes"]) == r["grad_bytes"]
-        assert r["median_s"] > 0 and r["world_size"] == 2
-    assert rows[0]["n_buckets"] == len(params)            # cap 0: one bucket per parameter
+        assert r["grad_bytes"] == 4 * sum(params) and r["median_s"] > 0 and r["world_size"] == 2
+        assert sum(r["bucket_bytes"]) == (0 if r["variant"] == "local" else r["grad_bytes"])
+    assert rows[1]["n_buckets"] == rows[2]["n_buckets"] == len(params)  # cap 0: one per parameter
     # A 1 KiB cap closes a bucket once it holds >= 1024 bytes, filling from the last layer.
     assert rows[3]["bucket_bytes"] == [4 * (1 + 16 + 16 + 256), 4 * (16 + 128)]
     assert [r["median_s"] for r in ranks[1]] == [r["median_s"] for r in rows]  # same on every rank

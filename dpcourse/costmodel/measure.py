@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from dpcourse.bench.timing import summarize, time_interleaved
 from dpcourse.device import rank_device
 
-VARIANTS = ("local", "bucketed", "overlapped")
 
 
 def ddp_step_sweep(bucket_caps=(0, 1, 4, 16), *, in_features: int = 256, hidden: int = 1024,
@@ -17,9 +16,11 @@ def ddp_step_sweep(bucket_caps=(0, 1, 4, 16), *, in_features: int = 256, hidden:
                    group=None) -> list[dict]:
     """Time one SGD step of an MLP per bucket size, with and without overlap; call on every rank.
 
-    For each cap, three steps are timed interleaved: ``"local"`` (no communication: the
-    compute a prediction starts from), ``"bucketed"`` (all-reduce after backward) and
-    ``"overlapped"`` (all-reduce during backward).
+    Timed: ``"local"`` (no communication: the compute a prediction starts from), then
+    for each cap ``"bucketed"`` (all-reduce after backward) and ``"overlapped"``
+    (all-reduce during backward). Every variant of every cap is built first and all
+    are timed interleaved, so a slow moment of the machine hits them alike instead of
+    whichever cap happened to run then.
 
     Args:
         bucket_caps: ``bucket_cap_mb`` values (0: one bucket per parameter).
@@ -30,9 +31,10 @@ def ddp_step_sweep(bucket_caps=(0, 1, 4, 16), *, in_features: int = 256, hidden:
         group: the process group; ``None`` means the default group.
 
     Returns:
-        One dict per (cap, variant), identical on every rank: ``variant``, ``bucket_cap_mb``,
-        ``n_buckets``, ``bucket_bytes`` (sizes in launch order), ``grad_bytes``,
-        ``world_size`` and the timing statistics (``median_s``, ``p25_s``, ...).
+        One dict for ``"local"`` (``bucket_cap_mb`` None), then one per (cap, variant),
+        identical on every rank: ``variant``, ``bucket_cap_mb``, ``n_buckets``,
+        ``bucket_bytes`` (sizes in launch order), ``grad_bytes``, ``world_size`` and the
+        timing statistics (``median_s``, ``p25_s``, ...).
     """
     from dpcourse.ddp import DataParallelBucketed, DataParallelOverlapped
     from dpcourse.models import MLP
@@ -41,27 +43,25 @@ def ddp_step_sweep(bucket_caps=(0, 1, 4, 16), *, in_features: int = 256, hidden:
     g = torch.Generator().manual_seed(dist.get_rank(group))
     x = torch.randn(batch_size, in_features, generator=g).to(device)
     y = torch.randn(batch_size, 1, generator=g).to(device)
-    rows = []
+    model = MLP(in_features, hidden, 1, depth, seed=0).to(device)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    steps = {("local", None): _sgd_step(model, model, x, y)}
+    buckets = {None: []}
+    wrappers = {"bucketed": DataParallelBucketed, "overlapped": DataParallelOverlapped}
     for cap in bucket_caps:
-        steps, buckets = {}, None
-        for variant in VARIANTS:
+        for variant, wrapper in wrappers.items():
             model = MLP(in_features, hidden, 1, depth, seed=0).to(device)
-            if variant == "bucketed":
-                wrapped = DataParallelBucketed(model, bucket_cap_mb=cap, group=group)
-            elif variant == "overlapped":
-                wrapped = DataParallelOverlapped(model, bucket_cap_mb=cap, group=group)
-                buckets = [b.nbytes for b in wrapped.buckets]
-            else:
-                wrapped = model
-            steps[variant] = _sgd_step(wrapped, model, x, y)
-        times = time_interleaved(steps, warmup=warmup, iters=iters, group=group, device=device)
-        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        for variant in VARIANTS:
-            row = {"variant": variant, "bucket_cap_mb": cap, "n_buckets": len(buckets),
-                   "bucket_bytes": buckets, "grad_bytes": grad_bytes,
-                   "world_size": dist.get_world_size(group)}
-            row.update(summarize(times[variant]))
-            rows.append(row)
+            wrapped = wrapper(model, bucket_cap_mb=cap, group=group)
+            buckets[cap] = [b.nbytes for b in wrapped.buckets]
+            steps[(variant, cap)] = _sgd_step(wrapped, model, x, y)
+    times = time_interleaved(steps, warmup=warmup, iters=iters, group=group, device=device)
+    rows = []
+    for (variant, cap), seconds in times.items():
+        row = {"variant": variant, "bucket_cap_mb": cap, "n_buckets": len(buckets[cap]),
+               "bucket_bytes": buckets[cap], "grad_bytes": grad_bytes,
+               "world_size": dist.get_world_size(group)}
+        row.update(summarize(seconds))
+        rows.append(row)
     return rows
 
 
