@@ -7,39 +7,16 @@ import torch
 import torch.distributed as dist
 
 import dpcourse
+from collective_cases import DTYPES, against_library, assert_cases, rank_data
 from dpcourse.comm import CommTrace, all_reduce_per_tensor, naive_all_reduce, ring_all_reduce
 
 WORLD_SIZES = (1, 2, 3, 4)
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 SUBGROUP = {3: [1, 2], 4: [0, 1, 3]}
-
-
-def lengths(world_size: int) -> list[int]:
-    return sorted({0, 1, max(world_size - 1, 0), 2 * world_size + 1, 10007})
-
-
-def rank_data(rank: int, n: int, dtype, integer: bool) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * n + rank)
-    x = torch.randint(-8, 9, (n,), generator=g).float() if integer else torch.randn(n, generator=g)
-    return x.to(dtype)
-
-
-def _naive_cases(world_size, group=None):
-    rank, out = dist.get_rank(), []
-    for n in lengths(world_size):
-        for dtype in DTYPES:
-            for integer in (True, False):
-                x = rank_data(rank, n, dtype, integer)
-                expected, got = x.clone(), x.clone()
-                dist.all_reduce(expected, group=group)
-                naive_all_reduce(got, group=group)
-                out.append(((n, str(dtype), integer), got, expected))
-    return out
 
 
 def collectives_worker(world_size: int) -> dict:
     rank = dist.get_rank()
-    res = {"naive": _naive_cases(world_size)}
+    res = {"naive": against_library(naive_all_reduce, world_size)}
 
     m = torch.randn(7, 5).t()  # non-contiguous: the result must land in the caller's view
     expected = m.clone()
@@ -88,7 +65,8 @@ def collectives_worker(world_size: int) -> dict:
     if world_size in SUBGROUP:
         group = dist.new_group(SUBGROUP[world_size])
         if rank in SUBGROUP[world_size]:
-            res["subgroup"] = _naive_cases(len(SUBGROUP[world_size]), group=group)
+            res["subgroup"] = against_library(lambda t: naive_all_reduce(t, group=group),
+                                              len(SUBGROUP[world_size]), group=group)
             t = torch.full((4,), float(rank))
             all_reduce_per_tensor([t], group=group, average=True)
             res["subgroup_mean"] = t
@@ -101,22 +79,10 @@ def results(request):
     return n, dpcourse.run(collectives_worker, n, world_size=n, backend="gloo", timeout=120)
 
 
-def _assert_cases(cases, world_size, label):
-    for (n, dtype, integer), got, expected in cases:
-        msg = f"{label}: n={n} {dtype} {'integer' if integer else 'randn'} data"
-        assert got.shape == expected.shape and got.dtype == expected.dtype, msg
-        if integer:  # small integers sum exactly in every dtype, whatever the order
-            assert torch.equal(got, expected), msg
-        else:
-            eps = torch.finfo(got.dtype).eps
-            torch.testing.assert_close(got, expected, rtol=4 * eps,
-                                       atol=20 * eps * world_size, msg=msg)
-
-
 def test_naive_all_reduce_matches_library(results):
     world_size, ranks = results
     for rank, res in enumerate(ranks):
-        _assert_cases(res["naive"], world_size, f"rank {rank}")
+        assert_cases(res["naive"], world_size, f"rank {rank}")
         got, expected = res["naive_matrix"]
         assert got.shape == (5, 7)
         torch.testing.assert_close(got, expected)
@@ -154,7 +120,7 @@ def test_subgroup(results):
     members = SUBGROUP[world_size]
     mean = sum(members) / len(members)
     for rank in members:
-        _assert_cases(ranks[rank]["subgroup"], len(members), f"rank {rank} subgroup")
+        assert_cases(ranks[rank]["subgroup"], len(members), f"rank {rank} subgroup")
         torch.testing.assert_close(ranks[rank]["subgroup_mean"], torch.full((4,), mean))
 
 
@@ -172,7 +138,7 @@ def nccl_naive_worker() -> list:
     out = []
     for n in (1, 3, 10007):
         for dtype in DTYPES:
-            x = rank_data(rank, n, dtype, integer=True).cuda()
+            x = rank_data(rank, n, dtype, seed=n, integer=True).cuda()
             expected, got = x.clone(), x.clone()
             dist.all_reduce(expected)
             naive_all_reduce(got)
@@ -183,4 +149,4 @@ def nccl_naive_worker() -> list:
 @pytest.mark.gpu(2)
 def test_naive_on_nccl():
     for rank, cases in enumerate(dpcourse.run(nccl_naive_worker, world_size=2, backend="nccl")):
-        _assert_cases(cases, 2, f"nccl rank {rank}")
+        assert_cases(cases, 2, f"nccl rank {rank}")

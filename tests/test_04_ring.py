@@ -11,53 +11,21 @@ import torch
 import torch.distributed as dist
 
 import dpcourse
+from collective_cases import (BIG, DTYPES, against_library, assert_cases, lengths, rank_data,
+                              tolerance)
 from dpcourse.comm import (CommTrace, chunk_bounds, ring_all_gather, ring_all_reduce,
                            ring_reduce_scatter, ring_step_chunks)
 
 WORLD_SIZES = (1, 2, 3, 4)
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 PIPELINES = (1, 2, 3)  # 1: the plain loop; 2, 3: the pipelined path (3: uneven slices)
-BIG = 10007  # prime: never divisible by the world size
 SUBGROUP = {3: [0, 2], 4: [1, 2, 3]}
-
-
-def lengths(world_size: int) -> list[int]:
-    """0, 1, fewer than the ranks, not divisible, and large-ish."""
-    return sorted({0, 1, max(world_size - 1, 0), 2 * world_size + 1, BIG})
-
-
-def rank_data(rank: int, n: int, dtype, seed: int, integer: bool) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    x = torch.randint(-8, 9, (n,), generator=g).float() if integer else torch.randn(n, generator=g)
-    return x.to(dtype)
-
-
-def tolerance(dtype, world_size: int) -> dict:
-    """Round-off allowed between two summation orders: a few ulps of the largest partial sum."""
-    eps = torch.finfo(dtype).eps
-    return {"rtol": 4 * eps, "atol": 4 * eps * world_size * 5.0}
-
-
-def _against_library(fn, world_size, group=None):
-    """Run ``fn`` and dist.all_reduce on the same inputs for every length/dtype/data kind."""
-    rank = dist.get_rank()
-    out = []
-    for n in lengths(world_size):
-        for dtype in DTYPES:
-            for integer in (True, False):
-                x = rank_data(rank, n, dtype, seed=n, integer=integer)
-                expected, got = x.clone(), x.clone()
-                dist.all_reduce(expected, group=group)
-                fn(got)
-                out.append(((n, str(dtype), integer), got, expected))
-    return out
 
 
 def ring_worker(world_size: int) -> dict:
     rank = dist.get_rank()
     res = {}
     for k in PIPELINES[:2]:
-        res[f"all_reduce/{k}"] = _against_library(
+        res[f"all_reduce/{k}"] = against_library(
             lambda t, k=k: ring_all_reduce(t, num_pipeline_chunks=k), world_size)
 
     # Shapes: a matrix, a 0-d tensor, and a transposed (non-contiguous) view
@@ -120,7 +88,7 @@ def ring_worker(world_size: int) -> dict:
         members = SUBGROUP[world_size]
         group = dist.new_group(members)
         if rank in members:
-            res["subgroup"] = _against_library(
+            res["subgroup"] = against_library(
                 lambda t: ring_all_reduce(t, group=group, num_pipeline_chunks=2),
                 len(members), group=group)
         else:
@@ -138,21 +106,11 @@ def ring_results(request):
     return n, dpcourse.run(ring_worker, n, world_size=n, backend="gloo", timeout=120)
 
 
-def _assert_cases(cases, world_size, label):
-    for (n, dtype, integer), got, expected in cases:
-        msg = f"{label}: n={n} {dtype} {'integer' if integer else 'randn'} data"
-        assert got.shape == expected.shape and got.dtype == expected.dtype, msg
-        if integer:  # small integers sum exactly in every dtype, whatever the order
-            assert torch.equal(got, expected), msg
-        else:
-            torch.testing.assert_close(got, expected, **tolerance(got.dtype, world_size), msg=msg)
-
-
 def test_all_reduce_matches_library(ring_results):
     world_size, ranks = ring_results
     for rank, res in enumerate(ranks):
         for key in [f"all_reduce/{k}" for k in PIPELINES[:2]]:
-            _assert_cases(res[key], world_size, f"rank {rank} {key}")
+            assert_cases(res[key], world_size, f"rank {rank} {key}")
 
 
 def test_shapes_and_non_contiguous(ring_results):
@@ -208,7 +166,7 @@ def test_subgroup(ring_results):
     members = SUBGROUP[world_size]
     for rank, res in enumerate(ranks):
         if rank in members:
-            _assert_cases(res["subgroup"], len(members), f"rank {rank} subgroup {members}")
+            assert_cases(res["subgroup"], len(members), f"rank {rank} subgroup {members}")
         else:
             assert "not a member" in res["subgroup_outsider"]
 
