@@ -8,6 +8,8 @@ PORT   ?= 8888
 # https://download.pytorch.org/whl/cpu" for a smaller CPU-only download).
 TORCH_GPU ?= torch
 TORCH_CPU ?= torch==2.13.0
+# Jupyter refuses to run as root unless told (containers, cloud VMs often log in as root).
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: course test setup demo doctor exercises clean
 
@@ -25,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 course: setup  ## set up, then open JupyterLab on lesson 00 (loopback only)
-	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(PORT) lessons/00_setup.ipynb
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) lessons/00_setup.ipynb
 
 test: setup  ## set up, then run every test and execute every lesson and solution notebook
 	$(PY) -m pytest tests lessons solutions --nbval-lax --nbval-current-env
