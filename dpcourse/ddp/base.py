@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from dpcourse.ddp.step_guard import install_step_guard
+
 
 def _group_src(group) -> int:
     """Global rank of the group's rank 0 (``broadcast`` takes a global rank as ``src``)."""
@@ -154,11 +156,13 @@ class DataParallelBase(nn.Module):
 
         self._hook_handles = [p.register_post_accumulate_grad_hook(make_hook(i))
                               for i, (_, p) in enumerate(self._named_params)]
+        install_step_guard(self)
 
     def _remove_hooks(self) -> None:
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+        self._step_guard.remove()
         self._replaced = True
 
     def _on_grad_accumulated(self, index: int, param: nn.Parameter) -> None:
