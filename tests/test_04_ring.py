@@ -228,3 +228,31 @@ def test_ring_on_nccl():
     for rank, res in enumerate(ranks):
         assert [c for c in res["cases"] if not c[-1]] == [], f"rank {rank}: wrong sums"
         assert res["repeat_wrong"] == 0
+
+
+def odd_world_worker() -> dict:
+    """Larger odd rings: every length case against the library, and the bytes each rank sends."""
+    world = dist.get_world_size()
+    cases = against_library(ring_all_reduce, world)
+    n = 1000 * world + 1  # not divisible by the world size
+    with CommTrace() as trace:
+        ring_all_reduce(torch.ones(n))
+    return {"cases": cases, "sent": trace.bytes_sent(), "ops": sorted(trace.collective_ops())}
+
+
+@pytest.mark.parametrize("world_size", [5, 7])
+def test_odd_world_sizes(world_size):
+    ranks = dpcourse.run(odd_world_worker, world_size=world_size, backend="gloo", timeout=120)
+    n = 1000 * world_size + 1
+    for rank, res in enumerate(ranks):
+        assert_cases(res["cases"], world_size, f"world {world_size} rank {rank}")
+        assert res["ops"] == []
+        # N-1 steps per phase, one chunk sent per step: (N-1)/N of the data, twice.
+        expected = 0
+        for phase in ("reduce_scatter", "all_gather"):
+            for step in range(world_size - 1):
+                start, end = chunk_bounds(n, world_size,
+                                          ring_step_chunks(rank, world_size, phase, step)[0])
+                expected += 4 * (end - start)  # float32
+        assert res["sent"] == expected
+        assert abs(res["sent"] - 2 * (world_size - 1) / world_size * 4 * n) <= 8 * world_size
