@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from dpcourse.formatting import format_bytes, format_seconds
+
 TIME_KEYS = ("seconds", "median_s", "time_s", "median", "time")
 
 
@@ -21,6 +23,16 @@ def _figure(ax=None, figsize=(6.4, 4.0)):
         return ax.figure, ax
     fig, ax = plt.subplots(figsize=figsize)
     return fig, ax
+
+
+def _finish(fig, ax, title: str, legend: bool = True):
+    """Title, light grid, legend, tight layout: how every figure here ends."""
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend()
+    fig.tight_layout()
+    return fig
 
 
 def _time_of(row: dict, time_key: str | None) -> float:
@@ -37,48 +49,6 @@ def _group(rows, key: str) -> dict:
     for row in rows:
         groups[row.get(key, "")].append(row)
     return groups
-
-
-def format_bytes(n: float) -> str:
-    """Format a byte count with a binary unit (``"4.0 MiB"``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def format_seconds(s: float) -> str:
-    """Format a duration with a readable unit (``"250 µs"``, ``"3.1 ms"``, ``"2.0 s"``)."""
-    if s >= 1:
-        return f"{s:.1f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
-
-
-def format_table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ".4g") -> str:
-    """Lay out records as a fixed-width text table (for printing in a notebook).
-
-    Args:
-        rows: records with the same keys.
-        columns: keys to show, in order (default: the first record's keys).
-        floatfmt: format spec for floats.
-
-    Returns:
-        The table as one string, header first.
-    """
-    if not rows:
-        return "(no rows)"
-    columns = list(columns or rows[0].keys())
-
-    def cell(v):
-        return format(v, floatfmt) if isinstance(v, float) else str(v)
-
-    cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
 def plot_curves(series: dict, *, xlabel: str = "step", ylabel: str = "", title: str = "",
@@ -108,11 +78,7 @@ def plot_curves(series: dict, *, xlabel: str = "step", ylabel: str = "", title: 
                     color="gray", va="bottom")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def plot_bandwidth(rows: list[dict], *, world_size: int | None = None, metric: str = "busbw",
@@ -178,11 +144,7 @@ def plot_bandwidth(rows: list[dict], *, world_size: int | None = None, metric: s
         marks = [2 ** k for k in range(int(math.log2(max(lo, 1))), int(math.log2(max(hi, 1))) + 1, 2)]
         ax.set_xticks(marks, [format_bytes(m) for m in marks], rotation=30)
     ax.set_xlabel("message size")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def plot_bucket_sweep(rows: list[dict], *, x: str = "bucket_cap_mb", series_key: str = "impl",
@@ -220,13 +182,9 @@ def plot_bucket_sweep(rows: list[dict], *, x: str = "bucket_cap_mb", series_key:
         ax.set_xscale("symlog", linthresh=min(positive))
     ax.set_xlabel("bucket size (MB)")
     ax.set_ylabel("step time (ms)")
-    ax.set_title(title + (" (numbers: buckets per step)" if count_key and any(
-        count_key in r for r in rows) else ""))
-    ax.grid(alpha=0.3)
-    if any(h.get_label() and not h.get_label().startswith("_") for h in ax.get_lines()):
-        ax.legend()
-    fig.tight_layout()
-    return fig
+    labelled = any(h.get_label() and not h.get_label().startswith("_") for h in ax.get_lines())
+    return _finish(fig, ax, title + (" (numbers: buckets per step)" if count_key and any(
+        count_key in r for r in rows) else ""), legend=labelled)
 
 
 def spans_from_marks(marks) -> list[tuple[str, float, float]]:
@@ -363,11 +321,7 @@ def plot_scaling(rows: list[dict], *, x: str = "world_size", throughput_key: str
     ax.set_ylim(0, 110)
     ax.set_xlabel("ranks")
     ax.set_ylabel("scaling efficiency (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def plot_memory_per_rank(rows: list[dict], *, parts=("weights", "grads", "optimizer"),

@@ -136,3 +136,18 @@ def assert_three_ways_agree(results: list[dict], label: str = "") -> None:
                 if "running" not in key and "num_batches" not in key:
                     torch.testing.assert_close(ours[key], results[0]["ours"][step][key],
                                                rtol=0, atol=0)
+
+
+def gather_sum_all_reduce(tensor, group=None):
+    """A different all-reduce: gather every rank's tensor and add them up (counted by the test)."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    tensor.copy_(torch.stack(parts).sum(0))
+
+
+def counting_all_reduce(calls: list):
+    """Return an ``all_reduce=`` plug-in that appends each tensor's numel to ``calls``, then sums."""
+    def counting(tensor, group=None):
+        calls.append(tensor.numel())
+        gather_sum_all_reduce(tensor, group=group)
+    return counting

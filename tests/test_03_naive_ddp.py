@@ -14,17 +14,10 @@ import dpcourse
 from dpcourse.comm import CommTrace
 from dpcourse.ddp import DataParallelNaive
 from dpcourse.models import MLP, BatchNormMLP, UnusedLayerMLP
-from ddp_helpers import (assert_three_ways_agree, global_batch, loss_of, make_model,
-                         train_three_ways)
+from ddp_helpers import (assert_three_ways_agree, counting_all_reduce, global_batch, loss_of,
+                         make_model, train_three_ways)
 
 MODELS = ["mlp", "frozen_layer", "frozen_bias", "tied"]
-
-
-def gather_sum_all_reduce(tensor, group=None):
-    """A different all-reduce: gather every rank's tensor and add them up (counted by the test)."""
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    tensor.copy_(torch.stack(parts).sum(0))
 
 
 def _grads(model):
@@ -69,9 +62,7 @@ def _no_sync_and_finish(rank, world):
 def _plugin(rank, world):
     calls = []
 
-    def counting(tensor, group=None):
-        calls.append(tensor.numel())
-        gather_sum_all_reduce(tensor, group=group)
+    counting = counting_all_reduce(calls)
 
     res = train_three_ways("naive", "tied", steps=3, single=False,
                            wrapper_kwargs={"all_reduce": counting})

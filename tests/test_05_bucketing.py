@@ -12,9 +12,8 @@ import dpcourse
 from dpcourse.comm import CommTrace
 from dpcourse.ddp import DataParallelBucketed, assign_buckets
 from dpcourse.ddp.buckets import MiB
-from ddp_helpers import (assert_three_ways_agree, global_batch, loss_of, make_model,
-                         train_three_ways)
-from test_03_naive_ddp import gather_sum_all_reduce
+from ddp_helpers import (assert_three_ways_agree, counting_all_reduce, global_batch, loss_of,
+                         make_model, train_three_ways)
 
 # (model, bucket_cap_mb): one bucket, several, one per parameter.
 CASES = [("mlp", 25.0), ("mlp", 0.0005), ("frozen_layer", 0.0), ("tied", 0.0003), ("gpt", 0.004),
@@ -110,9 +109,7 @@ def _structure(name: str, cap: float) -> dict:
 def _custom_and_errors() -> dict:
     calls = []
 
-    def counting(tensor, group=None):
-        calls.append(tensor.numel())
-        gather_sum_all_reduce(tensor, group=group)
+    counting = counting_all_reduce(calls)
 
     train = train_three_ways("bucketed", "deep_mlp", steps=3,
                              wrapper_kwargs={"bucket_cap_mb": 0.002, "all_reduce": counting})

@@ -10,9 +10,8 @@ import dpcourse
 from dpcourse.comm import CommTrace
 from dpcourse.ddp import DataParallelBucketed, DataParallelOverlapped
 from dpcourse.models import UnusedLayerMLP
-from ddp_helpers import (assert_three_ways_agree, global_batch, loss_of, make_model,
-                         train_three_ways)
-from test_03_naive_ddp import gather_sum_all_reduce
+from ddp_helpers import (assert_three_ways_agree, counting_all_reduce, global_batch, loss_of,
+                         make_model, train_three_ways)
 
 CASES = [("deep_mlp", 0.0), ("deep_mlp", 0.003), ("gpt", 25.0), ("gpt", 0.004),
          ("frozen_bias", 0.0002), ("tied", 0.0)]
@@ -42,9 +41,7 @@ def _timeline(kind: str, steps: int = 3) -> dict:
 def _custom_all_reduce() -> dict:
     calls = []
 
-    def counting(tensor, group=None):
-        calls.append(tensor.numel())
-        gather_sum_all_reduce(tensor, group=group)
+    counting = counting_all_reduce(calls)
 
     train = train_three_ways("overlapped", "gpt", steps=3,
                              wrapper_kwargs={"bucket_cap_mb": 0.004, "all_reduce": counting})

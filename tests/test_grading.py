@@ -171,7 +171,7 @@ def test_grader_scores_a_failing_notebook_zero_and_continues(tmp_path):
     nbformat.write(bad, tmp_path / "nbs" / "01_broken.ipynb")
     good = nbformat.read(ROOT / "solutions" / "05_bucketing.ipynb", as_version=4)
     nbformat.write(good, tmp_path / "nbs" / "02_fine.ipynb")
-    from dpcourse.grading.autograde import format_table, grade
+    from dpcourse.grading.autograde import grade, score_table
 
     report = grade([str(tmp_path / "nbs")], timeout=120)
     rows = {r["check"]: r for r in report["results"]}
@@ -180,7 +180,7 @@ def test_grader_scores_a_failing_notebook_zero_and_continues(tmp_path):
     assert rows["ring_cost"]["points"] == 0 and rows["ring_cost"]["total"] == 6
     assert rows["ring_cost"]["status"].startswith("not graded")
     assert rows["assign_buckets"]["points"] == rows["assign_buckets"]["max_points"]
-    assert "01_broken.ipynb: error" in format_table(report)
+    assert "01_broken.ipynb: error" in score_table(report)
 
 
 # -- framework pieces ---------------------------------------------------------------

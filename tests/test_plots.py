@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from dpcourse import plots  # noqa: E402
+from dpcourse import formatting, plots  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -125,15 +125,15 @@ def test_curves_and_memory_bars():
 
 
 def test_format_table_and_bytes():
-    text = plots.format_table([dict(op="all_reduce", nbytes=4096, ms=1.23456)])
+    text = formatting.format_table([dict(op="all_reduce", nbytes=4096, ms=1.23456)])
     header, rule, row = text.splitlines()
     assert header.split() == ["op", "nbytes", "ms"]
     assert row.split() == ["all_reduce", "4096", "1.235"]
-    assert plots.format_bytes(4 * 2**20) == "4.0 MiB"
-    assert plots.format_bytes(12) == "12 B"
-    assert plots.format_seconds(250e-6) == "250 µs"
-    assert plots.format_seconds(0.0031) == "3.1 ms"
-    assert plots.format_seconds(2.0) == "2.0 s"
+    assert formatting.format_bytes(4 * 2**20) == "4.0 MiB"
+    assert formatting.format_bytes(12) == "12 B"
+    assert formatting.format_seconds(250e-6) == "250 µs"
+    assert formatting.format_seconds(0.0031) == "3.1 ms"
+    assert formatting.format_seconds(2.0) == "2.0 s"
 
 
 def test_timeline_stacks_collectives_in_flight_together():

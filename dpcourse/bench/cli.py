@@ -131,7 +131,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
     import dpcourse
     from dpcourse.bench.allreduce import allreduce_sweep
     from dpcourse.bench.report import environment, write_results
-    from dpcourse.plots import format_bytes, format_seconds, format_table
+    from dpcourse.formatting import format_bytes, format_seconds, format_table
 
     backend, world_size = dpcourse.resolve_backend(args.backend, args.world_size)
     max_size = args.max_size or (2**30 if backend == "nccl" else 64 * 2**20)
@@ -173,7 +173,7 @@ def run_ddp(args: argparse.Namespace) -> int:
     import dpcourse
     from dpcourse.bench.ddp import ddp_benchmark
     from dpcourse.bench.report import environment, write_results
-    from dpcourse.plots import format_table
+    from dpcourse.formatting import format_table
 
     backend, world_size = dpcourse.resolve_backend(args.backend, args.world_size)
     common = dict(config=args.config, batch_size=args.batch_size, warmup=args.warmup,

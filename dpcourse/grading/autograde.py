@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 
+from dpcourse.formatting import format_table
 from dpcourse.grading.report import DEFAULT_POINTS, GRADE_FILE_ENV
 
 _CHECK_CALL = re.compile(r"""\bcheck\(\s*["'](\w+)["']""")
@@ -158,17 +159,12 @@ def grade(paths: list[str], timeout: float = 600.0) -> dict:
             "max_points": sum(r["max_points"] for r in results)}
 
 
-def format_table(report: dict) -> str:
+def score_table(report: dict) -> str:
     """Return the score table as text: one row per exercise, then notebook problems and a total."""
-    head = ("notebook", "exercise", "check", "criteria", "points")
-    rows = [(r["notebook"], r["exercise"], r["check"], f"{r['passed']}/{r['total']}",
-             f"{r['points']:g}/{r['max_points']:g}") for r in report["results"]]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-
-    def line(cells) -> str:
-        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-
-    out = [line(head), line("-" * w for w in widths)] + [line(r) for r in rows]
+    rows = [{"notebook": r["notebook"], "exercise": r["exercise"], "check": r["check"],
+             "criteria": f"{r['passed']}/{r['total']}",
+             "points": f"{r['points']:g}/{r['max_points']:g}"} for r in report["results"]]
+    out = [format_table(rows)]
     out.append(f"total: {report['points']:g}/{report['max_points']:g} points")
     for nb in report["notebooks"]:
         if nb["status"] != "ok":
@@ -180,7 +176,7 @@ def format_table(report: dict) -> str:
 def cli(args) -> int:
     """Run ``dpcourse grade``: print the table, optionally write JSON; exit 0 once graded."""
     report = grade(args.paths, timeout=args.timeout)
-    print(format_table(report))
+    print(score_table(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
