@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from dpcourse import formatting, plots  # noqa: E402
+from dpcourse import formatting, plots, timeline  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +70,7 @@ def test_bucket_sweep_lines_and_bucket_counts():
 def test_spans_from_marks_pairs_in_order():
     marks = [("backward_start", 0.0), ("backward_end", 1.0), ("x", 1.5),
              ("backward_start", 2.0), ("backward_end", 3.0), ("forward_end", 4.0)]
-    assert plots.spans_from_marks(marks) == [("backward", 0.0, 1.0), ("backward", 2.0, 3.0)]
+    assert timeline.spans_from_marks(marks) == [("backward", 0.0, 1.0), ("backward", 2.0, 3.0)]
 
 
 def test_timeline_draws_compute_and_each_waited_collective_per_rank():
@@ -81,7 +81,7 @@ def test_timeline_draws_compute_and_each_waited_collective_per_rank():
         events.append(dict(op="broadcast", nbytes=4, start=0.0, end=0.01, async_op=False, peer=None))
         events.append(dict(op="all_reduce", nbytes=4, start=0.5, end=None, async_op=True, peer=None))
         ranks.append(dict(events=events, marks=[("backward_start", 0.0), ("backward_end", 0.25)]))
-    ax = plots.plot_timeline(ranks).axes[0]
+    ax = timeline.plot_timeline(ranks).axes[0]
     # per rank: 1 compute span + 3 waited all-reduces (broadcast filtered, unwaited skipped)
     assert len(ax.collections) == 2 * (1 + 3)
     labels = [t.get_text() for t in ax.get_yticklabels()]
@@ -93,7 +93,7 @@ def test_timeline_draws_compute_and_each_waited_collective_per_rank():
 def test_timeline_accepts_explicit_spans_and_all_ops():
     ranks = [dict(spans=[("forward", 0.0, 0.1), ("backward", 0.1, 0.3)],
                   events=[dict(op="broadcast", nbytes=4, start=0.0, end=0.01)])]
-    ax = plots.plot_timeline(ranks, ops=None).axes[0]
+    ax = timeline.plot_timeline(ranks, ops=None).axes[0]
     assert len(ax.collections) == 3
 
 
@@ -139,7 +139,7 @@ def test_format_table_and_bytes():
 def test_timeline_stacks_collectives_in_flight_together():
     events = [dict(op="all_reduce", nbytes=8, start=0.1 * i, end=1.0, async_op=True) for i in range(3)]
     events.append(dict(op="all_reduce", nbytes=8, start=1.5, end=1.6, async_op=False))
-    ax = plots.plot_timeline([dict(events=events)]).axes[0]
+    ax = timeline.plot_timeline([dict(events=events)]).axes[0]
     ys = [c.get_paths()[0].get_extents().y0 for c in ax.collections]
     assert len(set(round(y, 6) for y in ys[:3])) == 3  # three overlapping calls, three sub-rows
-    assert plots._pack(sorted(events, key=lambda e: e["start"])) == {0: 1, 1: 2, 2: 3, 3: 1}
+    assert timeline._pack(sorted(events, key=lambda e: e["start"])) == {0: 1, 1: 2, 2: 3, 3: 1}
