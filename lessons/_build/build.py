@@ -5,6 +5,13 @@ separated by lines ``#%% md`` (markdown) or ``#%% code``. Keeping the source as
 text makes review and diffs readable; the committed notebooks carry the outputs
 of a clean run.
 
+A marker line may carry options after the kind:
+
+* ``answer``: the cell starts collapsed (``metadata.jupyter.source_hidden``), for the
+  answer to a question the learner should predict first: ``#%% md answer``.
+* ``tags=a,b``: cell tags, e.g. ``#%% code tags=claim-1`` for the cell that asserts a
+  claim listed in the README's claim table.
+
 Usage::
 
     python lessons/_build/build.py                 # write every notebook (no outputs)
@@ -26,22 +33,36 @@ LESSONS = HERE.parent
 MARKER = "#%%"
 
 
+def parse_marker(line: str) -> tuple[str, dict]:
+    """Read a marker line: return the cell kind and the cell's metadata."""
+    kind, *options = line[len(MARKER):].split()
+    if kind not in ("md", "code"):
+        raise ValueError(f"unknown cell kind {kind!r} in {line!r}: use '#%% md' or '#%% code'.")
+    metadata = {}
+    for option in options:
+        if option == "answer":
+            metadata["jupyter"] = {"source_hidden": True}
+        elif option.startswith("tags=") and option[len("tags="):]:
+            metadata["tags"] = option[len("tags="):].split(",")
+        else:
+            raise ValueError(f"unknown option {option!r} in {line!r}: use 'answer' or 'tags=a,b'.")
+    return kind, metadata
+
+
 def parse(text: str) -> list:
     """Split a lesson source into notebook cells."""
-    cells, kind, lines = [], None, []
+    cells, kind, metadata, lines = [], None, {}, []
 
     def flush():
         body = "\n".join(lines).strip("\n")
         if kind and body:
             make = nbformat.v4.new_markdown_cell if kind == "md" else nbformat.v4.new_code_cell
-            cells.append(make(body))
+            cells.append(make(body, metadata=metadata))
 
     for line in text.splitlines():
         if line.startswith(MARKER):
             flush()
-            kind, lines = line[len(MARKER):].strip(), []
-            if kind not in ("md", "code"):
-                raise ValueError(f"unknown cell kind {kind!r}: use '#%% md' or '#%% code'.")
+            (kind, metadata), lines = parse_marker(line), []
         else:
             lines.append(line)
     flush()
