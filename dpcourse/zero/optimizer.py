@@ -1,0 +1,255 @@
+"""ShardedOptimizer: each rank keeps optimizer state for 1/N of the parameters (ZeRO-1 and ZeRO-2).
+
+Data parallelism gives every rank the same averaged gradient, and then every
+rank runs the same optimizer step on the same full parameters: N copies of
+identical work and of identical state (AdamW: two fp32 moments, 8 bytes per
+parameter). ZeRO stage 1 (Rajbhandari et al., 2020) lets rank ``r`` keep state
+for and step only its shard of each parameter (:mod:`dpcourse.zero.layout`),
+then all-gathers the updated shards so every rank holds the full new weights.
+
+Where the averaged gradient comes from is the ``gradients=`` argument:
+
+* ``"averaged"`` (ZeRO-1 over DDP): a data-parallel wrapper (ours or torch's)
+  has already all-reduced ``param.grad``. The step reads this rank's slice of
+  it. Per step: an all-reduce plus an all-gather, 1.5x DDP's bytes.
+* ``"reduce_scatter"`` (ZeRO-1): the model is NOT wrapped; ``param.grad`` holds
+  this rank's local gradient and ``step()`` reduce-scatters it bucket by
+  bucket, so each rank receives the sum of only its shard. A reduce-scatter
+  plus an all-gather is exactly what an all-reduce is made of: the same bytes
+  as DDP. Full-size gradients stay in memory (free gradient accumulation).
+* ``"sharded"`` (ZeRO-2): as ``"reduce_scatter"``, but each bucket is
+  reduce-scattered from a backward hook as soon as its gradients are complete
+  (overlapping backward, as in lesson 06), its full gradients are freed
+  (``param.grad = None``), and only this rank's gradient shard is kept and
+  accumulated. Gradient memory per rank falls to ~1/N; same bytes as DDP.
+
+In the two modes without a wrapper, rank 0's parameters are broadcast at
+construction so all replicas start equal (buffers are not seen by an
+optimizer: models with buffers, e.g. BatchNorm, need a wrapper).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.optim import Optimizer
+
+from dpcourse.ddp.buckets import check_bucket_cap
+from dpcourse.zero.collectives import all_gather, reduce_scatter
+from dpcourse.zero.layout import ShardBucket, make_shard_buckets, shard_range
+
+GRADIENT_MODES = ("averaged", "reduce_scatter", "sharded")
+
+
+def _check_setup(optimizer_cls, gradients: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "ShardedOptimizer needs a process group: run this code inside dpcourse.run(fn), "
+            "or call torch.distributed.init_process_group(backend) first.")
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+        raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class such as "
+                        f"torch.optim.AdamW (the class, not an instance), got {optimizer_cls!r}.")
+    if gradients not in GRADIENT_MODES:
+        raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}: "
+                         "'averaged' behind a DDP wrapper, 'reduce_scatter' (ZeRO-1) or "
+                         "'sharded' (ZeRO-2) on an unwrapped model.")
+
+
+class ShardedOptimizer(Optimizer):
+    """Wrap ``optimizer_cls`` so that each rank holds and steps only its shard of the parameters.
+
+    Args:
+        params: parameters or parameter groups (dicts), as for any torch optimizer.
+            Frozen parameters (``requires_grad=False``) are kept out of sharding.
+        optimizer_cls: an element-wise torch optimizer class (SGD, Adam, AdamW).
+        group: process group (``None``: the default group).
+        gradients: ``"averaged"``, ``"reduce_scatter"`` or ``"sharded"`` (module docstring).
+        bucket_cap_mb: gradient MiB per reduce-scatter / all-gather (0: one per parameter).
+        **defaults: the optimizer's hyperparameters (``lr=...``, ``momentum=...``).
+
+    Attributes:
+        optim: the inner ``optimizer_cls`` over this rank's shards (its ``state`` is all
+            the optimizer state this rank holds).
+        shards: this rank's shard of each trainable parameter: a 1-D view into it.
+        buckets: the :class:`~dpcourse.zero.layout.ShardBucket` list.
+    """
+
+    def __init__(self, params, optimizer_cls, *, group=None, gradients: str = "averaged",
+                 bucket_cap_mb: float = 25.0, **defaults: Any):
+        _check_setup(optimizer_cls, gradients)
+        cap = check_bucket_cap(bucket_cap_mb)
+        super().__init__(params, defaults)
+        self.process_group, self.gradients = group, gradients
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._params = self._trainable()
+        if gradients != "averaged":
+            src = 0 if group is None else dist.get_global_rank(group, 0)
+            for p in self._params:  # replicas must start equal: no wrapper did it
+                dist.broadcast(p.detach(), src=src, group=group)
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self.shards = []
+        for p in self._params:
+            lo, hi = shard_range(p.numel(), self.world_size, self.rank)
+            self.shards.append(p.detach().view(-1)[lo:hi])  # a view: the step updates p in place
+        self.buckets: list[ShardBucket] = make_shard_buckets(self._params, self.world_size, cap)
+        self._where = {i: (b, k) for b, bucket in enumerate(self.buckets)
+                       for k, i in enumerate(bucket.indices)}
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [self.shards[index[id(p)]] for p in g["params"]
+                                    if id(p) in index]} for g in self.param_groups]
+        self.optim = optimizer_cls(inner_groups)
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            for k, v in inner.items():  # the inner class's defaults, visible to schedulers
+                if k != "params":
+                    outer.setdefault(k, v)
+        self._grad_rows: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._hooks: list = []
+        if gradients == "sharded":
+            self._reset_round()
+            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                           for i, p in enumerate(self._params)]
+
+    def _trainable(self) -> list[torch.Tensor]:
+        params, seen = [], set()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    if not p.is_contiguous():
+                        raise ValueError("ShardedOptimizer shards flat views of parameters: "
+                                         "make every parameter contiguous first.")
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:
+            raise ValueError("ShardedOptimizer got no trainable parameters (requires_grad=True).")
+        return params
+
+    # -- gradients -------------------------------------------------------------
+    def _launch(self, b: int, async_op: bool):
+        """Reduce-scatter bucket ``b``'s full gradients; return ``(work, out, matrix)``."""
+        bucket = self.buckets[b]
+        matrix = bucket.new_matrix(self.world_size)
+        bucket.pack(matrix, [p.grad for p in bucket.params])
+        if self.gradients == "sharded":
+            for p in bucket.params:
+                p.grad = None  # ZeRO-2: the full gradient is not kept
+        # Divide BEFORE summing, as DDP does: low-precision sums stay in range.
+        matrix.div_(self.world_size)
+        out = torch.empty(bucket.row, dtype=matrix.dtype, device=matrix.device)
+        work = reduce_scatter(out, matrix.view(-1), group=self.process_group, async_op=async_op)
+        return work, out, matrix
+
+    def _accumulate(self, b: int, out: torch.Tensor) -> None:
+        acc = self._grad_rows[b]
+        self._grad_rows[b] = out if acc is None else acc.add_(out)
+
+    def _make_hook(self, index: int):
+        def hook(param):
+            self._grad_ready(index)
+        return hook
+
+    def _reset_round(self) -> None:
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next = 0
+        self._inflight: list = []
+        self._in_backward = False
+
+    def _grad_ready(self, index: int) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._backward_end)
+        b, _ = self._where[index]
+        self._pending[b] -= 1
+        # Collectives must be issued in the same order on every rank: bucket order.
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._inflight.append((self._next, *self._launch(self._next, async_op=True)))
+            self._next += 1
+
+    @torch.no_grad()
+    def _backward_end(self) -> None:
+        """After backward: reduce what is still missing (unused parameters count as zero), wait."""
+        for b in range(self._next, len(self.buckets)):
+            self._inflight.append((b, *self._launch(b, async_op=True)))
+        inflight = self._inflight
+        self._reset_round()
+        for b, work, out, _matrix in inflight:
+            work.wait()
+            self._accumulate(b, out)  # the full-size matrix is released here
+
+    @torch.no_grad()
+    def _point_shard_grads(self) -> None:
+        if self.gradients == "averaged":
+            for p, s in zip(self._params, self.shards):
+                lo, hi = shard_range(p.numel(), self.world_size, self.rank)
+                s.grad = None if p.grad is None else p.grad.view(-1)[lo:hi]
+            return
+        if self.gradients == "reduce_scatter":
+            self._grad_rows = [None] * len(self.buckets)
+            for b in range(len(self.buckets)):
+                _, out, _ = self._launch(b, async_op=False)
+                self._accumulate(b, out)
+        for b, bucket in enumerate(self.buckets):
+            row = self._grad_rows[b]
+            for i, off in zip(bucket.indices, bucket.offsets):
+                n = self.shards[i].numel()
+                self.shards[i].grad = None if row is None else row[off:off + n]
+
+    # -- the step ---------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Step this rank's shards with the inner optimizer, then all-gather the new parameters.
+
+        Args:
+            closure: not supported (it would re-run the model on every rank for a shard).
+
+        Returns:
+            ``None``.
+        """
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step() takes no closure.")
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            for k, v in outer.items():  # e.g. a learning-rate scheduler changed lr
+                if k != "params":
+                    inner[k] = v
+        self._point_shard_grads()
+        self.optim.step()
+        for s in self.shards:
+            s.grad = None  # views into full gradients must not keep them alive
+        if self.gradients == "reduce_scatter":
+            self._grad_rows = [None] * len(self.buckets)  # rebuilt from param.grad at each step
+        self._gather_params()
+        return None
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        works = []
+        for bucket in self.buckets:
+            mine = bucket.new_matrix(1)
+            for i, off in zip(bucket.indices, bucket.offsets):
+                s = self.shards[i]
+                mine[0, off:off + s.numel()].copy_(s)
+            full = bucket.new_matrix(self.world_size)
+            works.append((bucket, full, all_gather(full.view(-1), mine.view(-1),
+                                                   group=self.process_group, async_op=True)))
+        for bucket, full, work in works:
+            work.wait()
+            bucket.unpack(full)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the full gradients and this rank's accumulated gradient shards."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._grad_rows = [None] * len(self.buckets)
+
+    def state_dict(self):  # type: ignore[override]
+        """Not supported: each rank holds a different shard; save ``self.optim.state_dict()`` per rank."""
+        raise NotImplementedError(
+            "ShardedOptimizer holds only this rank's shard of the state: save "
+            "optimizer.optim.state_dict() on every rank (one file per rank).")
+
+    def remove_hooks(self) -> None:
+        """Remove the backward hooks of ``gradients="sharded"`` (e.g. before re-wrapping)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
