@@ -268,9 +268,34 @@ def slow_rank(out_dir: str) -> dict:
     return out
 
 
+def timeline_rank(out_dir: str, variants=("bucketed", "overlapped")) -> dict:
+    """Profile one step of each variant; every rank returns its own GPU timeline."""
+    return {v: profile_step(v, out_dir=out_dir) for v in variants}
+
+
 def one_rank() -> dict:
     """The same step on one GPU: the throughput(1) of scaling efficiency."""
     return {"variants": ddp_step_times(("local",), config=CONFIG, iters=20)}
+
+
+def record_timelines(out_dir: str, env: dict) -> int:
+    """Record every rank's timeline of one step, over the fast and the slow link."""
+    import dpcourse
+
+    out = {"environment": env, "what": "per-rank GPU timelines of one GPT-2 small step"}
+    out["nvlink"] = dpcourse.run(timeline_rank, os.path.join(out_dir, "nvlink"), world_size=2,
+                                 timeout=300)
+    saved = {k: os.environ.get(k) for k in SLOW_LINK_ENV}
+    os.environ.update(SLOW_LINK_ENV)
+    try:
+        out["slow_link"] = dpcourse.run(timeline_rank, os.path.join(out_dir, "slow"),
+                                        world_size=2, timeout=300)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    with open(os.path.join(out_dir, "timelines.json"), "w") as f:
+        json.dump(out, f, default=str)
+    return 0
 
 
 def main(out_dir: str) -> int:
@@ -283,14 +308,20 @@ def main(out_dir: str) -> int:
     record = {"what": "GPU recordings shown by lessons 05, 06, 08 and 09",
               "model": "GPT-2 small, fp32 weights and gradients, bf16 autocast, fused AdamW, "
                        "8 x 1024 tokens per rank", "environment": env}
-    record["nvlink"] = dpcourse.run(nvlink_rank, out_dir, world_size=2, timeout=400)[0]
+    if "--timelines" in sys.argv:  # only the per-rank GPU timelines of lesson 06, both links
+        return record_timelines(out_dir, env)
+    results = dpcourse.run(nvlink_rank, out_dir, world_size=2, timeout=400)
+    record["nvlink"] = dict(results[0], timeline={v: [r["timeline"][v] for r in results]
+                                                  for v in results[0]["timeline"]})
     print("fast link done", flush=True)
     record["one_gpu"] = dpcourse.run(one_rank, world_size=1, timeout=200)[0]
     print("one GPU done", flush=True)
     saved = {k: os.environ.get(k) for k in SLOW_LINK_ENV}
     os.environ.update(SLOW_LINK_ENV)
     try:
-        record["slow_link"] = dpcourse.run(slow_rank, out_dir, world_size=2, timeout=400)[0]
+        results = dpcourse.run(slow_rank, out_dir, world_size=2, timeout=400)
+        record["slow_link"] = dict(results[0], timeline={v: [r["timeline"][v] for r in results]
+                                                         for v in results[0]["timeline"]})
         record["slow_link"]["nccl_env"] = dict(SLOW_LINK_ENV)
     finally:
         for k, v in saved.items():
