@@ -52,3 +52,87 @@ def test_whole_tensor_swaps_fail_bandwidth_on_a_power_of_two():
                    world_sizes=(4,), quiet=True)
     assert set(result.failed()) == {"bandwidth_power_of_two"}
     assert "half" in result.criterion("bandwidth_power_of_two").hint
+
+
+# -- 05: torch's small first bucket -----------------------------------------------------
+
+def test_first_bucket_solution_passes_every_criterion():
+    solution = load_solution("05_bucketing.ipynb")
+    _assert_all_passed(check("first_bucket", solution.assign_buckets_like_torch, quiet=True))
+
+
+@pytest.mark.parametrize("bug, criterion", [
+    (transfer_bugs.first_bucket_at_the_wrong_end, "first_bucket_small"),
+    (transfer_bugs.small_cap_for_every_bucket, "later_buckets_use_cap"),
+    (transfer_bugs.frozen_parameters_bucketed, "frozen_left_out")])
+def test_first_bucket_bugs_fail_their_criterion(bug, criterion):
+    result = check("first_bucket", bug, quiet=True)
+    assert criterion in result.failed() and "matches_torch_rule" in result.failed()
+    if criterion != "first_bucket_small":
+        assert result.criterion("first_bucket_small").passed  # the cause is elsewhere
+
+
+def test_first_bucket_rule_is_torchs_own():
+    import torch.distributed as dist
+
+    from dpcourse.grading.ex05_first_bucket import MIB, _cases, expected_buckets_with_first
+
+    for params, cap, first in _cases():
+        order = [i for i in reversed(range(len(params))) if params[i].requires_grad]
+        buckets, _ = dist._compute_bucket_assignment_by_size(
+            [params[i] for i in order], [int(first * MIB), int(cap * MIB)], [False] * len(order))
+        assert [[order[j] for j in b] for b in buckets] == \
+            expected_buckets_with_first(params, cap, first)
+
+
+def _ddp_buckets(bucket_cap_mb):
+    """Bucket sizes (elements) torch DDP all-reduces in its second step on a chain of params."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from dpcourse.grading.ex05_first_bucket import MIB
+
+    mf = MIB // 4
+    sizes = [3 * mf, 5 * mf, 100, mf // 2, mf // 2, 10]
+
+    class Chain(nn.Module):  # parameter k's gradient is ready before parameter k - 1's
+        def __init__(self):
+            super().__init__()
+            self.ps = nn.ParameterList(nn.Parameter(torch.ones(n) / n) for n in sizes)
+
+        def forward(self, x):
+            for p in self.ps:
+                x = x * p.sum()
+            return x
+
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.buffer().numel())
+        fut = torch.futures.Future()
+        dist.all_reduce(bucket.buffer())
+        fut.set_result(bucket.buffer())
+        return fut
+
+    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    model = nn.parallel.DistributedDataParallel(Chain(), **kwargs)
+    model.register_comm_hook(None, hook)
+    for _ in range(2):
+        seen.clear()
+        model(torch.ones(3)).sum().backward()
+    return seen, sizes
+
+
+def test_torch_ddp_all_reduces_the_buckets_of_the_rule():
+    import torch
+
+    import dpcourse
+    from dpcourse.grading.ex05_first_bucket import expected_buckets_with_first
+
+    for cap, first in [(None, 1.0), (25.0, 25.0)]:  # the small bucket only with the default cap
+        seen, sizes = dpcourse.run(_ddp_buckets, cap, world_size=2)[0]
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+        want = [sum(params[i].numel() for i in b)
+                for b in expected_buckets_with_first(params, cap or 25.0, first)]
+        assert seen == want, (cap, seen, want)

@@ -14,9 +14,11 @@ def _specs() -> dict:
     from dpcourse.grading import checks_ddp as ddp
     from dpcourse.grading import checks_pure as pure
     from dpcourse.grading import ex04_halving_doubling as ex04
+    from dpcourse.grading import ex05_first_bucket as ex05
 
     specs = (col.CollectiveSemantics, col.RingAllReduce,
              ex04.HalvingDoublingAllReduce, ddp.NaiveDDP, pure.AssignBuckets,
+             ex05.FirstBucket,
              ddp.OverlappedDDP, ddp.NoSync, pure.RingCost)
     return {s.name: s for s in specs}
 

@@ -49,3 +49,33 @@ def all_reduce_ring(tensor, group=None):
     for s in range(n - 1):
         (a, b), (c, d) = bounds((rank - s) % n), bounds((rank - s - 1) % n)
         exchange(flat[a:b], flat[c:d])
+
+
+def _buckets(order, params, caps):
+    buckets, current, size = [], [], 0
+    for i in order:
+        current.append(i)
+        size += params[i].numel() * params[i].element_size()
+        if size >= caps[min(len(buckets), len(caps) - 1)]:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def first_bucket_at_the_wrong_end(params, bucket_cap_mb=25.0, first_bucket_mb=1.0):
+    """Gives the small cap to the bucket of the first-registered parameters (the last to go)."""
+    order = [i for i in range(len(params)) if params[i].requires_grad]
+    buckets = _buckets(order, params, [first_bucket_mb * 2**20, bucket_cap_mb * 2**20])
+    return [list(reversed(b)) for b in reversed(buckets)]  # BUG: small bucket goes out last
+
+
+def small_cap_for_every_bucket(params, bucket_cap_mb=25.0, first_bucket_mb=1.0):
+    """Keeps the small cap after the first bucket."""
+    order = [i for i in reversed(range(len(params))) if params[i].requires_grad]
+    return _buckets(order, params, [first_bucket_mb * 2**20])  # BUG: one cap for all
+
+
+def frozen_parameters_bucketed(params, bucket_cap_mb=25.0, first_bucket_mb=1.0):
+    """Buckets every parameter, frozen or not."""
+    order = list(reversed(range(len(params))))  # BUG: frozen ones never get a gradient
+    return _buckets(order, params, [first_bucket_mb * 2**20, bucket_cap_mb * 2**20])
