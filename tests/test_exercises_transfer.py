@@ -86,7 +86,7 @@ def test_first_bucket_rule_is_torchs_own():
 
 
 def _ddp_buckets(bucket_cap_mb):
-    """Bucket sizes (elements) torch DDP all-reduces in its second step on a chain of params."""
+    """Bucket sizes (elements) torch DDP all-reduces in its first two steps on a chain of params."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -118,10 +118,12 @@ def _ddp_buckets(bucket_cap_mb):
     kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     model = nn.parallel.DistributedDataParallel(Chain(), **kwargs)
     model.register_comm_hook(None, hook)
+    steps = []
     for _ in range(2):
         seen.clear()
         model(torch.ones(3)).sum().backward()
-    return seen, sizes
+        steps.append(list(seen))
+    return steps, sizes
 
 
 def test_torch_ddp_all_reduces_the_buckets_of_the_rule():
@@ -131,8 +133,29 @@ def test_torch_ddp_all_reduces_the_buckets_of_the_rule():
     from dpcourse.grading.ex05_first_bucket import expected_buckets_with_first
 
     for cap, first in [(None, 1.0), (25.0, 25.0)]:  # the small bucket only with the default cap
-        seen, sizes = dpcourse.run(_ddp_buckets, cap, world_size=2)[0]
+        (first_step, seen), sizes = dpcourse.run(_ddp_buckets, cap, world_size=2)[0]
         params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
         want = [sum(params[i].numel() for i in b)
                 for b in expected_buckets_with_first(params, cap or 25.0, first)]
         assert seen == want, (cap, seen, want)
+        assert first_step == [sum(sizes)]  # the first iteration: one bucket, then rebuilt
+
+
+# -- 06: buckets in the order gradients arrive -------------------------------------------
+
+def test_arrival_order_solution_passes_every_criterion():
+    solution = load_solution("06_overlap.ipynb")
+    _assert_all_passed(check("arrival_order", solution.ArrivalOrderDDP, quiet=True))
+
+
+def test_buckets_in_registration_order_fail_only_buckets_follow_arrival():
+    result = check("arrival_order", transfer_bugs.ReverseRegistrationBuckets, quiet=True)
+    assert set(result.failed()) == {"buckets_follow_arrival"}
+    assert "first backward" in result.criterion("buckets_follow_arrival").hint
+
+
+def test_the_check_model_runs_layers_out_of_registration_order():
+    from dpcourse.grading.ex06_arrival_order import arrival_order
+
+    order = arrival_order("cpu")
+    assert sorted(order) == list(range(6)) and order != list(reversed(range(6)))

@@ -79,3 +79,41 @@ def frozen_parameters_bucketed(params, bucket_cap_mb=25.0, first_bucket_mb=1.0):
     """Buckets every parameter, frozen or not."""
     order = list(reversed(range(len(params))))  # BUG: frozen ones never get a gradient
     return _buckets(order, params, [first_bucket_mb * 2**20, bucket_cap_mb * 2**20])
+
+
+class ReverseRegistrationBuckets(torch.nn.Module):
+    """Correct overlapped buckets, but in reverse registration order, as if layers ran in order."""
+
+    def __init__(self, module, bucket_cap_mb=25.0):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for p in module.parameters():
+                dist.broadcast(p, src=0)
+        params = list(module.parameters())
+        order = list(reversed(range(len(params))))  # BUG: not the order gradients arrive in
+        self.buckets = [[params[i] for i in b]
+                        for b in _buckets(order, params, [bucket_cap_mb * 2**20])]
+        self.arrived, self.in_flight = [0] * len(self.buckets), []
+        for b, bucket in enumerate(self.buckets):
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(lambda p, b=b: self._ready(b))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _ready(self, b):
+        self.arrived[b] += 1
+        if self.arrived[b] == len(self.buckets[b]):
+            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[b]])
+            self.in_flight.append((b, flat, dist.all_reduce(flat, async_op=True)))
+
+    def finish_gradient_synchronization(self):
+        for b, flat, work in self.in_flight:
+            work.wait()
+            flat /= dist.get_world_size()
+            offset = 0
+            for p in self.buckets[b]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.in_flight, self.arrived = [], [0] * len(self.buckets)
