@@ -1,0 +1,18 @@
+"""All-reduce kernels on NVLink: Triton over PyTorch's symmetric memory (GPU only).
+
+Importable anywhere; the kernels need CUDA GPUs with peer access and Triton,
+which is imported only when a kernel is launched. On CPU the functions raise
+a clear error, and :mod:`~dpcourse.comm.kernels.schedule` simulates their
+block/peer schedule in plain Python.
+"""
+
+from dpcourse.comm.kernels.allreduce import one_shot_all_reduce, two_shot_all_reduce
+from dpcourse.comm.kernels.workspace import (default_multicast_off, release_workspaces,
+                                             require_multicast_off, symmetric_empty)
+
+# Processes started after this import (ranks) inherit multicast off; a value that
+# allows it is refused when a workspace is created.
+default_multicast_off()
+
+__all__ = ["one_shot_all_reduce", "two_shot_all_reduce", "symmetric_empty",
+           "release_workspaces", "require_multicast_off"]

@@ -1,0 +1,181 @@
+"""Triton kernels: one-shot and two-shot all-reduce over symmetric memory, synchronised by signal pads.
+
+Imported only on a CUDA machine (``dpcourse.comm.kernels`` imports it lazily).
+
+What a kernel sees. Every rank allocated a buffer of the same size with
+``torch.distributed._symmetric_memory`` and exchanged handles, so each GPU
+has every peer's buffer mapped into its own address space: a plain load or
+store at ``my_buffer + delta[p]`` reaches rank ``p``'s memory over NVLink.
+``delta[p]`` (in elements) is the distance between the two mappings; it is
+0 for this rank. Each buffer comes with a *signal pad*, a small zeroed int32
+array, mapped the same way.
+
+Who waits for whom. Block ``b`` of every rank works on the same elements, so
+block ``b`` only ever waits for block ``b`` of the other ranks (flag slot
+``b * WORLD + sender`` on the receiver's pad). The grid is capped so that
+every block of the kernel can be resident at once; a block that spins on a
+flag therefore never waits for a block that cannot be scheduled.
+
+The flag protocol (:func:`block_barrier`). A one-slot mailbox per (block,
+sender) on each receiver: *send* is a compare-and-swap 0 -> 1 on the
+peer's slot with **release** semantics at **system** scope; *wait* is a
+compare-and-swap 1 -> 0 on one's own slot with **acquire** semantics at
+system scope. A sender whose previous message has not been taken yet spins
+until it has, so slots never overflow, and every slot is 0 again after each
+barrier: nothing needs resetting between calls.
+
+Memory-ordering argument (the same in both kernels). Stores made by any
+thread of block ``b`` before the barrier are ordered before the releasing
+compare-and-swap by ``tl.debug_barrier()`` (bar.sync: all threads of the
+block have issued them, and a release is cumulative over what its thread has
+observed). A peer's acquiring compare-and-swap that reads the 1 synchronises
+with that release, and its own ``bar.sync`` after the wait extends the order
+to all of its threads: their loads after the barrier see the stores. The
+scope must be ``sys``: the two sides run on different GPUs, and a ``gpu``
+scoped release orders memory only for observers on the same device.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def send_signal(pad, peer_delta, slot):
+    """Raise flag ``slot`` on the peer's pad (``pad + peer_delta``); spin while it is still up."""
+    # release: every store this thread observed before (the whole block's, after
+    # bar.sync) is visible to whoever acquires this flag.
+    old = tl.atomic_cas(pad + peer_delta + slot, 0, 1, sem="release", scope="sys")
+    while old != 0:
+        old = tl.atomic_cas(pad + peer_delta + slot, 0, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_signal(pad, slot):
+    """Wait until flag ``slot`` of this rank's pad is up, and take it down."""
+    # acquire: no load or store after this may be performed before the flag was seen.
+    old = tl.atomic_cas(pad + slot, 1, 0, sem="acquire", scope="sys")
+    while old != 1:
+        old = tl.atomic_cas(pad + slot, 1, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def block_barrier(pad, pad_deltas, block, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Block ``block`` of this rank meets block ``block`` of every other rank."""
+    tl.debug_barrier()  # every thread's earlier stores are issued before the release below
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            send_signal(pad, tl.load(pad_deltas + p), block * WORLD + RANK)
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            wait_signal(pad, block * WORLD + p)
+    tl.debug_barrier()  # every thread's later loads come after the acquires above
+
+
+@triton.jit
+def peer_delta(buf_deltas, p):
+    """Return rank ``p``'s buffer as an element offset from ours, provably a multiple of 16.
+
+    The mappings are far apart and aligned; saying so lets Triton emit 16-byte loads.
+    """
+    return (tl.load(buf_deltas + p) // 16) * 16
+
+
+@triton.jit
+def one_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel,
+                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """Sum ``x`` over all ranks into ``x``: copy in, barrier, load every rank's copy and add.
+
+    Ordering: after the barrier, every rank's copy of this block's tiles is in
+    its buffer (release/acquire above). The buffer is not reused by the next
+    call: the host alternates between two halves (``buf`` points at this
+    call's half), and a rank writes a half again only two calls later, after
+    the barrier of the call in between, which no peer can pass before its
+    kernel of this call (and so every load here) has finished.
+    """
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    for start in range(pid * BLOCK, numel, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        tl.store(buf + offs, tl.load(x + offs, mask=mask), mask=mask)
+    block_barrier(pad, pad_deltas, pid, RANK, WORLD)
+    for start in range(pid * BLOCK, numel, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):  # rank order: every rank adds in the same order
+            acc += tl.load(buf + peer_delta(buf_deltas, p) + offs, mask=mask).to(tl.float32)
+        tl.store(x + offs, acc.to(x.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
+                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                    COPY: tl.constexpr):
+    """Sum ``x`` over all ranks into ``x``: reduce-scatter by peer loads, all-gather by peer stores.
+
+    Rank ``r`` owns slice ``r`` (``slice_len`` elements). (1) Stage the other
+    slices in the symmetric buffer (skipped when ``COPY`` is false: ``x`` is
+    the symmetric buffer). (2) Barrier. (3) Load this rank's slice from every
+    peer, add in rank order, store the sum into ``x`` and into every peer's
+    buffer. (4) Barrier. (5) Copy the other slices' sums from the buffer.
+
+    Ordering: (2) makes every peer's staged slice visible before (3) loads
+    it; (4) makes every peer's pushed sums visible before (5) reads them. A
+    location ``buffer[p], slice s`` is touched in a call only by rank ``p``
+    (staging, copy-out) and rank ``s`` (one load in (3), then one store of the
+    same element by the same thread). The next call's staging by rank ``p``
+    follows its barrier (4), after which no peer touches its buffer again in
+    this call: one buffer serves every call.
+    """
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    if COPY:
+        for start in range(pid * BLOCK, slice_len, step):
+            inner = start + tl.arange(0, BLOCK)
+            for s in tl.static_range(WORLD):
+                if s != RANK:
+                    offs = s * slice_len + inner
+                    mask = (inner < slice_len) & (offs < numel)
+                    tl.store(buf + offs, tl.load(x + offs, mask=mask), mask=mask)
+    block_barrier(pad, pad_deltas, pid, RANK, WORLD)
+    for start in range(pid * BLOCK, slice_len, step):
+        inner = start + tl.arange(0, BLOCK)
+        offs = RANK * slice_len + inner
+        mask = (inner < slice_len) & (offs < numel)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):
+            if p == RANK:
+                acc += tl.load(x + offs, mask=mask).to(tl.float32)
+            else:
+                acc += tl.load(buf + peer_delta(buf_deltas, p) + offs, mask=mask).to(tl.float32)
+        total = acc.to(x.dtype.element_ty)
+        tl.store(x + offs, total, mask=mask)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                tl.store(buf + peer_delta(buf_deltas, p) + offs, total, mask=mask)
+    block_barrier(pad, pad_deltas, pid, RANK, WORLD)
+    if COPY:
+        for start in range(pid * BLOCK, slice_len, step):
+            inner = start + tl.arange(0, BLOCK)
+            for s in tl.static_range(WORLD):
+                if s != RANK:
+                    offs = s * slice_len + inner
+                    mask = (inner < slice_len) & (offs < numel)
+                    tl.store(x + offs, tl.load(buf + offs, mask=mask), mask=mask)
+
+
+def launch_one_shot(x, buf, buf_deltas, pad, pad_deltas, rank, world, grid, block, num_warps):
+    """Launch :func:`one_shot_kernel` on the current stream."""
+    one_shot_kernel[(grid,)](x, buf, buf_deltas, pad, pad_deltas, x.numel(),
+                             RANK=rank, WORLD=world, BLOCK=block, num_warps=num_warps)
+
+
+def launch_two_shot(x, buf, buf_deltas, pad, pad_deltas, slice_len, rank, world, grid, block,
+                    num_warps, copy):
+    """Launch :func:`two_shot_kernel` on the current stream."""
+    two_shot_kernel[(grid,)](x, buf, buf_deltas, pad, pad_deltas, x.numel(), slice_len,
+                             RANK=rank, WORLD=world, BLOCK=block, COPY=copy,
+                             num_warps=num_warps)

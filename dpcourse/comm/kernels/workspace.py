@@ -1,0 +1,164 @@
+"""Symmetric-memory workspaces: one buffer per (group, device), mapped on every rank of the group.
+
+``torch.distributed._symmetric_memory.empty`` allocates GPU memory that
+:func:`~torch.distributed._symmetric_memory.rendezvous` maps into every peer's
+address space; the handle it returns lists each rank's address of the buffer
+(``buffer_ptrs``) and of its signal pad (``signal_pad_ptrs``). A kernel gets
+one local pointer and the distances to the peers' mappings
+(:attr:`Workspace.deltas`), which is all it needs to load and store there.
+
+NVLink multicast stays off: :func:`require_multicast_off` sets
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` and
+``NVSHMEM_DISABLE_NVLS=1`` where they are unset and refuses to run where
+they are set otherwise; the kernels use plain loads, stores and atomics only
+(never ``multimem`` instructions).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+
+MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+MIN_BYTES = 1 << 20
+
+
+def default_multicast_off() -> None:
+    """Set the variables that keep NVLink multicast off, where they are unset (never raises)."""
+    for key, value in MULTICAST_OFF.items():
+        os.environ.setdefault(key, value)
+
+
+def require_multicast_off() -> None:
+    """Set the variables that keep NVLink multicast off where unset; refuse any other value.
+
+    Call it before the process group starts (child processes inherit it);
+    calling it later still sets the variables for symmetric-memory rendezvous.
+
+    Raises:
+        RuntimeError: one of the variables is set to a value that allows multicast.
+    """
+    for key, value in MULTICAST_OFF.items():
+        have = os.environ.setdefault(key, value)
+        if have != value:
+            raise RuntimeError(
+                f"{key}={have} allows NVLink multicast, which these kernels refuse to use: "
+                f"start the processes with {key}={value}.")
+
+
+class Workspace:
+    """A symmetric buffer of at least ``nbytes`` on this rank's device, rendezvoused over ``group``.
+
+    Attributes:
+        buffer: the local buffer (uint8).
+        pad: the local signal pad (int32, zeros between calls).
+        pad_deltas: int64 tensor on the device, rank ``p``'s pad minus ours, in int32 slots.
+        rank, world_size: this rank and the group's size.
+        max_blocks: the most blocks a kernel may launch (flag slots ``block * world + peer``).
+        calls: one-shot calls so far (its buffer halves alternate with the parity).
+    """
+
+    def __init__(self, nbytes: int, group, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        require_multicast_off()
+        self.group = group if group is not None else dist.group.WORLD
+        self.nbytes = max(MIN_BYTES, 1 << max(0, int(nbytes) - 1).bit_length())
+        self.buffer = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, self.group)
+        self.rank, self.world_size = self.handle.rank, self.handle.world_size
+        self.pad = self.handle.get_signal_pad(self.rank, dtype=torch.int32)
+        # Signal pads hold zeros after allocation and after every barrier; no reset needed.
+        self.pad_deltas = _offsets(self.handle.signal_pad_ptrs, self.rank, 4, device)
+        self._buf_deltas: dict[int, torch.Tensor] = {}
+        self._device = device
+        self.max_blocks = self.pad.numel() // self.world_size
+        self.calls = 0
+
+    def deltas(self, element_size: int) -> torch.Tensor:
+        """Return each rank's buffer minus ours, in elements of ``element_size`` bytes (on device)."""
+        if element_size not in self._buf_deltas:
+            self._buf_deltas[element_size] = _offsets(self.handle.buffer_ptrs, self.rank,
+                                                      element_size, self._device)
+        return self._buf_deltas[element_size]
+
+    def view(self, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
+        """Return ``numel`` elements of the local buffer as ``dtype``, starting at element ``offset``."""
+        return self.buffer.view(dtype)[offset:offset + numel]
+
+
+def _offsets(ptrs, rank: int, element_size: int, device) -> torch.Tensor:
+    """Return ``(ptrs[p] - ptrs[rank]) / element_size`` for every ``p`` as an int64 device tensor."""
+    base = ptrs[rank]
+    if any((p - base) % element_size for p in ptrs):
+        raise RuntimeError("peer mappings are not aligned to the element size.")
+    return torch.tensor([(p - base) // element_size for p in ptrs], dtype=torch.int64,
+                        device=device)
+
+
+# Cached workspaces: {(group name, device index): Workspace}. A cache, not state the
+# results depend on: dropping it (release_workspaces) only costs a new rendezvous.
+_CACHE: dict = {}
+# Tensors that live in symmetric memory of their own: {data_ptr: Workspace}.
+_SYMMETRIC: dict = {}
+
+
+def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
+    """Return this rank's cached workspace for ``group`` with at least ``nbytes``; grow if needed.
+
+    Collective when it allocates (the first call, or a call that needs more
+    memory): every rank of ``group`` must make the same calls, as for any
+    collective. Growing waits for the device and the group first, so no peer
+    is still reading the old buffer when it is freed.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    key = (pg.group_name, device.index)
+    ws = _CACHE.get(key)
+    if ws is not None and ws.group is pg and ws.nbytes >= nbytes:
+        return ws
+    if ws is not None:
+        torch.cuda.synchronize(device)
+        dist.barrier(group=pg)
+        del _CACHE[key], ws
+    _CACHE[key] = Workspace(nbytes, pg, device)
+    return _CACHE[key]
+
+
+def release_workspaces() -> None:
+    """Free the cached workspaces of this process (after the GPU has finished with them)."""
+    if _CACHE and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _CACHE.clear()
+
+
+def symmetric_empty(numel: int, dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:
+    """Return an uninitialised 1-D tensor that lives in symmetric memory (collective).
+
+    The two-shot kernel reduces such a tensor in place without copying it in
+    and out of a workspace (e.g. a DDP bucket allocated here).
+
+    Args:
+        numel: number of elements.
+        dtype: element type.
+        group: the process group whose ranks map it; ``None`` means the default group.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    element = torch.empty((), dtype=dtype).element_size()
+    ws = Workspace(max(1, numel) * element, group, device)
+    tensor = ws.view(dtype, numel)
+    _SYMMETRIC[tensor.data_ptr()] = ws
+    weakref.finalize(tensor, _SYMMETRIC.pop, tensor.data_ptr(), None)
+    return tensor
+
+
+def symmetric_workspace_of(tensor: torch.Tensor, group) -> Workspace | None:
+    """Return the workspace ``tensor`` lives in when it came from :func:`symmetric_empty`."""
+    ws = _SYMMETRIC.get(tensor.data_ptr())
+    pg = group if group is not None else dist.group.WORLD
+    if ws is None or ws.group is not pg or not tensor.is_contiguous():
+        return None
+    return ws

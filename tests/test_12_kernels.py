@@ -1,0 +1,249 @@
+"""NVLink all-reduce kernels: the CPU model of their schedule, and the kernels on GPUs.
+
+The CPU tests replay the kernels' block/peer schedule (``schedule.simulate``)
+under many interleavings: it sums correctly on 2-4 ranks with the barrier,
+the pad is clear after every call, and each way of breaking the protocol
+(no barrier, relaxed flags, one buffer for one-shot) gives wrong sums.
+
+The GPU tests (``gpu(2)``) compare both kernels with ``dist.all_reduce`` on
+every visible GPU (2, or 4 where present): many lengths including
+non-multiples of the block, float32/bfloat16/float16, 1,000 back-to-back
+calls, the zero-copy path and the DDP plug-in.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dpcourse
+from dpcourse.comm.kernels import one_shot_all_reduce, two_shot_all_reduce
+from dpcourse.comm.kernels.schedule import (block_tiles, grid_size, one_shot_plan, simulate,
+                                            slice_len, two_shot_plan)
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# -- the schedule, on the CPU ------------------------------------------------------------
+def _inputs(call: int, rank: int, n: int) -> list[float]:
+    return [float(1000 * call + 100 * rank + i) for i in range(n)]
+
+
+def _expected(call: int, world: int, n: int) -> list[float]:
+    return [sum(_inputs(call, r, n)[i] for r in range(world)) for i in range(n)]
+
+
+def _wrong_calls(results, world, n) -> int:
+    return sum(results[c][r] != _expected(c, world, n)
+               for c in range(len(results)) for r in range(world))
+
+
+@pytest.mark.parametrize("kind", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 7, 13])
+def test_simulated_kernel_sums_under_any_interleaving(kind, world, n):
+    for seed in range(15):
+        m, results = simulate([_inputs(0, r, n) for r in range(world)], kind, calls=4,
+                              seed=seed, next_inputs=lambda c, r: _inputs(c, r, n))
+        assert _wrong_calls(results, world, n) == 0, f"seed {seed}"
+        assert m.pad_is_clear(), "every flag must be taken down by its receiver"
+
+
+@pytest.mark.parametrize("kind", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("broken", [{"barrier": False}, {"release": False}])
+def test_simulated_kernel_races_without_the_protocol(kind, broken):
+    n, world = 6, 2
+    wrong = [_wrong_calls(simulate([_inputs(0, r, n) for r in range(world)], kind, calls=3,
+                                   seed=seed, next_inputs=lambda c, r: _inputs(c, r, n),
+                                   **broken)[1], world, n) for seed in range(30)]
+    assert sum(w > 0 for w in wrong) >= 20, f"{broken} should race in most schedules: {wrong}"
+
+
+def test_one_shot_needs_two_buffer_halves():
+    n, world = 8, 2
+    wrong = [_wrong_calls(simulate([_inputs(0, r, n) for r in range(world)], "one_shot",
+                                   calls=4, seed=seed, double_buffer=False,
+                                   next_inputs=lambda c, r: _inputs(c, r, n))[1], world, n)
+             for seed in range(30)]
+    assert sum(w > 0 for w in wrong) >= 10, wrong
+
+
+@pytest.mark.parametrize("numel,world", [(1, 2), (17, 2), (40, 3), (103, 4), (5, 8)])
+def test_two_shot_plan_reduces_every_element_once(numel, world):
+    plan = two_shot_plan(numel, world, block=4, max_blocks=3)
+    reduced = sorted(i for steps in plan.values() for s in steps if s.op == "reduce"
+                     for i in s.index)
+    assert reduced == list(range(numel)), "each element is summed by exactly one rank"
+    for (rank, _), steps in plan.items():
+        length = slice_len(numel, world)
+        for s in steps:
+            if s.op == "reduce":  # a rank reduces only its own slice
+                assert all(rank * length <= i < (rank + 1) * length for i in s.index)
+
+
+def test_one_shot_plan_and_grid():
+    assert grid_size(0, 4, 8) == 1 and grid_size(33, 4, 8) == 8 and grid_size(5, 4, 8) == 2
+    assert [list(t) for t in block_tiles(10, 3, 2, 1)] == [[3, 4, 5], [9]]
+    plan = one_shot_plan(10, 2, block=3, max_blocks=2)
+    ops = [s.op for s in plan[(0, 0)]]
+    assert ops == ["copy", "copy", "send", "wait", "reduce", "reduce"]
+    assert slice_len(10, 3) == 4 and slice_len(10, 3, align=16) == 16
+
+
+def test_kernels_refuse_cpu_tensors_with_a_clear_error():
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        one_shot_all_reduce(torch.ones(3))
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        two_shot_all_reduce(torch.ones(3))
+
+
+def test_multicast_stays_off(monkeypatch):
+    from dpcourse.comm.kernels import require_multicast_off
+
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    require_multicast_off()
+    import os
+
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    with pytest.raises(RuntimeError, match="multicast"):
+        require_multicast_off()
+
+
+# -- the kernels, on GPUs ----------------------------------------------------------------
+KERNELS = {"one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+# Around the tile (4096 fp32 / 8192 bf16 elements), the 16-element alignment and the
+# grid-stride loop (64 blocks x 4096 = 262144 elements per sweep).
+LENGTHS = (1, 2, 3, 15, 16, 17, 1000, 4095, 4096, 4097, 8191, 8193, 65537, 262143,
+           262145, 3 * 262144 + 5, (1 << 22) + 3)
+
+
+def kernels_vs_nccl() -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank)
+    out = []
+    for n in LENGTHS:
+        for dtype in DTYPES:
+            for data in ("int", "normal"):
+                g = torch.Generator().manual_seed(n * 7 + rank)
+                if data == "int":
+                    x = torch.randint(-8, 9, (n,), generator=g).to(dtype).to(dev)
+                else:
+                    x = torch.randn(n, generator=g).to(dtype).to(dev)
+                ref = x.clone()
+                dist.all_reduce(ref)
+                for name, fn in KERNELS.items():
+                    got = x.clone()
+                    fn(got)
+                    every = [torch.empty_like(got) for _ in range(world)]
+                    dist.all_gather(every, got)
+                    same = all(torch.equal(every[0], e) for e in every)
+                    err = ((got.float() - ref.float()).abs().max().item() if n else 0.0)
+                    exact = torch.equal(got, ref)
+                    out.append((name, n, str(dtype), data, exact, err, same))
+    return out
+
+
+@pytest.mark.gpu(2)
+def test_kernels_match_nccl_all_reduce():
+    rows = dpcourse.run(kernels_vs_nccl, world_size=GPUS, backend="nccl", timeout=600)
+    for rank, res in enumerate(rows):
+        for name, n, dtype, data, exact, err, same in res:
+            label = f"{name} n={n} {dtype} {data} rank {rank}"
+            assert same, f"{label}: ranks disagree (every rank must get the same bits)"
+            if data == "int":  # small integers: every order of addition is exact
+                assert exact, f"{label}: max error {err}"
+            else:
+                assert err <= TOL[getattr(torch, dtype.split('.')[-1])] * 8, label
+
+
+def back_to_back(calls: int) -> list:
+    """``calls`` calls per kernel and dtype, inputs changing every call, no host sync."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank)
+    out = []
+    for n in (4097, 300_001):
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(rank)
+            base = torch.randint(-8, 9, (n,), generator=g).to(dtype).to(dev)
+            ref = base.clone()
+            dist.all_reduce(ref)
+            for name, fn in KERNELS.items():
+                sums = torch.empty(calls, dtype=torch.float64, device=dev)
+                x = torch.empty_like(base)
+                for i in range(calls):
+                    torch.add(base, i % 16, out=x)
+                    fn(x)
+                    # each call's error, kept on the device: a race in any call shows here
+                    sums[i] = (x.double() - ref.double() - world * (i % 16)).abs().max()
+                out.append((name, n, str(dtype), sums.nonzero().flatten().tolist()[:10]))
+    return out
+
+
+@pytest.mark.gpu(2)
+def test_kernels_stay_correct_over_1000_back_to_back_calls():
+    for rank, res in enumerate(dpcourse.run(back_to_back, 1000, world_size=GPUS,
+                                            backend="nccl", timeout=600)):
+        for name, n, dtype, wrong in res:
+            assert not wrong, f"{name} n={n} {dtype} rank {rank}: wrong in calls {wrong}"
+
+
+def zero_copy() -> list:
+    from dpcourse.comm.kernels import symmetric_empty
+
+    rank = dist.get_rank()
+    out = []
+    for n in (5, 4097, 1 << 20):
+        t = symmetric_empty(n, dtype=torch.float32)
+        t.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1))
+        ref = t.clone()
+        dist.all_reduce(ref)
+        for _ in range(3):
+            two_shot_all_reduce(t)
+            ref2 = ref.clone()
+            torch.testing.assert_close(t, ref2)
+            t.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1))
+        out.append(n)
+    return out
+
+
+@pytest.mark.gpu(2)
+def test_two_shot_reduces_a_symmetric_tensor_in_place():
+    assert dpcourse.run(zero_copy, world_size=GPUS, backend="nccl")[0] == [5, 4097, 1 << 20]
+
+
+def ddp_with_kernel(kernel: str) -> dict:
+    from ddp_helpers import global_batch, loss_of, make_model, state_of
+
+    from dpcourse.data import shard_batch
+    from dpcourse.ddp import DataParallelOverlapped
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank)
+    base = make_model("gpt").to(dev)
+    ours = DataParallelOverlapped(copy.deepcopy(base), bucket_cap_mb=0.002,
+                                  all_reduce=KERNELS[kernel])
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=[rank])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
+    diffs = []
+    for step in range(3):
+        xs, ys = (t.to(dev) for t in global_batch("gpt", step))
+        for model, opt in zip((ours, ref), opts):
+            loss_of("gpt", model, shard_batch(xs, rank, world), shard_batch(ys, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        a, b = state_of(ours), state_of(ref)
+        diffs.append(max((a[k] - b[k]).abs().max().item() for k in a))
+    return {"diffs": diffs}
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.parametrize("kernel", ["one_shot", "two_shot"])
+def test_overlapped_ddp_with_the_kernel_matches_torch_ddp(kernel):
+    for res in dpcourse.run(ddp_with_kernel, kernel, world_size=GPUS, backend="nccl"):
+        assert max(res["diffs"]) < 1e-4, res
