@@ -14,8 +14,9 @@ ranks form a ring: rank ``r`` only ever sends to ``r + 1`` and receives from
   each summed chunk travels once around the ring.
 
 Each rank sends every chunk but one per phase: ``2 (N - 1) / N`` times the
-tensor's size in total, whatever ``N`` is. That is why the ring is
-bandwidth-optimal, and why its time barely grows with the number of ranks.
+tensor's size in total, whatever ``N`` is: that is why the ring is
+bandwidth-optimal. Its number of steps, ``2 (N - 1)``, does grow with ``N``, and
+each step waits for one message, so latency-bound all-reduces slow down as ranks are added.
 
 Low precision: each hop adds the received chunk in the tensor's own dtype
 (fp16/bf16 partial sums are rounded at every hop), which is what NCCL's ring
