@@ -159,3 +159,37 @@ def test_the_check_model_runs_layers_out_of_registration_order():
 
     order = arrival_order("cpu")
     assert sorted(order) == list(range(6)) and order != list(reversed(range(6)))
+
+
+# -- 07: accumulation over uneven micro-batches --------------------------------------------
+
+def test_token_weighted_solution_passes_every_criterion():
+    solution = load_solution("07_no_sync.ipynb")
+    _assert_all_passed(check("token_weighted", solution.accumulation_step, quiet=True))
+
+
+def test_no_sync_warm_up_passes_with_the_forward_time_flag():
+    solution = load_solution("07_no_sync.ipynb")
+    _assert_all_passed(check("no_sync", solution.HookedDDP, quiet=True))
+
+
+def test_zero_grad_after_the_step_is_right():
+    _assert_all_passed(check("token_weighted", transfer_bugs.accumulate_zero_after_step,
+                             quiet=True))
+
+
+@pytest.mark.parametrize("bug, failed", [
+    (transfer_bugs.accumulate_divide_by_count,
+     {"weights_within_rank", "weights_across_ranks", "matches_single_process"}),
+    (transfer_bugs.accumulate_local_rows_only,
+     {"weights_across_ranks", "matches_single_process"}),
+    (transfer_bugs.accumulate_zero_inside_loop,
+     {"zero_grad_once_per_step", "matches_single_process"}),
+    (transfer_bugs.accumulate_never_zeroed,
+     {"zero_grad_once_per_step", "matches_single_process"})])
+def test_accumulation_bugs_fail_only_the_criteria_of_their_cause(bug, failed):
+    result = check("token_weighted", bug, quiet=True)
+    assert set(result.failed()) == failed
+    shown = [c.hint for c in result.criteria if not c.passed and c.hint]
+    if "weights_within_rank" not in failed:  # a misplaced zero_grad is not a weighting hint
+        assert not any("share of the rows" in hint for hint in shown)

@@ -117,3 +117,60 @@ class ReverseRegistrationBuckets(torch.nn.Module):
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.in_flight, self.arrived = [], [0] * len(self.buckets)
+
+
+def _accumulate(model, optimizer, micro_batches, loss_fn, weight, zero="before"):
+    """One accumulation step; ``weight(i, rows)`` scales micro-batch i's loss."""
+    rows = [len(y) for _, y in micro_batches]
+    if zero == "before":
+        optimizer.zero_grad()
+    for i, (x, y) in enumerate(micro_batches):
+        if zero == "inside":
+            optimizer.zero_grad()
+        last = i == len(micro_batches) - 1
+        with model.no_sync() if not last else _nothing():
+            (loss_fn(model(x), y) * weight(i, rows)).backward()
+    optimizer.step()
+    if zero == "after":
+        optimizer.zero_grad()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _global_weight(i, rows):
+    total = torch.tensor(float(sum(rows)))
+    dist.all_reduce(total)
+    return rows[i] * dist.get_world_size() / total.item()
+
+
+def accumulate_divide_by_count(model, optimizer, micro_batches, loss_fn):
+    """Divides every loss by the number of micro-batches, whatever their sizes."""
+    _accumulate(model, optimizer, micro_batches, loss_fn,
+                lambda i, rows: 1 / len(rows))  # BUG: a 2-row micro-batch counts like a 6-row
+
+
+def accumulate_local_rows_only(model, optimizer, micro_batches, loss_fn):
+    """Weights by rows, but only this rank's: every rank still counts 1/N."""
+    _accumulate(model, optimizer, micro_batches, loss_fn,
+                lambda i, rows: rows[i] / sum(rows))  # BUG: ranks hold different numbers of rows
+
+
+def accumulate_zero_inside_loop(model, optimizer, micro_batches, loss_fn):
+    """Right weights, but zero_grad before every micro-batch erases the earlier ones."""
+    _accumulate(model, optimizer, micro_batches, loss_fn, _global_weight, zero="inside")
+
+
+def accumulate_never_zeroed(model, optimizer, micro_batches, loss_fn):
+    """Right weights, but the previous step's gradients are never cleared."""
+    _accumulate(model, optimizer, micro_batches, loss_fn, _global_weight, zero="never")
+
+
+def accumulate_zero_after_step(model, optimizer, micro_batches, loss_fn):
+    """Correct: zero_grad right after optimizer.step(), as lesson 07's loop does."""
+    _accumulate(model, optimizer, micro_batches, loss_fn, _global_weight, zero="after")
