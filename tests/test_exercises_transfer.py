@@ -193,3 +193,26 @@ def test_accumulation_bugs_fail_only_the_criteria_of_their_cause(bug, failed):
     shown = [c.hint for c in result.criteria if not c.passed and c.hint]
     if "weights_within_rank" not in failed:  # a misplaced zero_grad is not a weighting hint
         assert not any("share of the rows" in hint for hint in shown)
+
+
+# -- 03: naive DDP with buffers, unused and frozen parameters ------------------------------
+
+def test_complete_naive_ddp_solution_passes_every_criterion():
+    solution = load_solution("03_naive_ddp.ipynb")
+    _assert_all_passed(check("naive_ddp_complete", solution.CompleteNaiveDDP, quiet=True))
+
+
+@pytest.mark.parametrize("bug, failed", [
+    (transfer_bugs.CompleteStaleBuffers, {"buffers_follow_rank_0"}),
+    (transfer_bugs.CompleteZerosForUnused, {"unused_parameter_keeps_no_grad"}),
+    (transfer_bugs.CompleteSyncsFrozen, {"unused_parameter_keeps_no_grad",
+                                         "frozen_parameter_untouched"})])
+def test_complete_naive_ddp_bugs_fail_their_criterion(bug, failed):
+    assert set(check("naive_ddp_complete", bug, quiet=True).failed()) == failed
+
+
+def test_skipping_missing_gradients_is_caught_where_the_ranks_disagree():
+    result = check("naive_ddp_complete", transfer_bugs.CompleteSkipsMissing, timeout=20,
+                   quiet=True)
+    assert "no_deadlock" in result.failed()
+    assert "extra is used on rank 0 only" in result.criterion("no_deadlock").detail

@@ -174,3 +174,61 @@ def accumulate_never_zeroed(model, optimizer, micro_batches, loss_fn):
 def accumulate_zero_after_step(model, optimizer, micro_batches, loss_fn):
     """Correct: zero_grad right after optimizer.step(), as lesson 07's loop does."""
     _accumulate(model, optimizer, micro_batches, loss_fn, _global_weight, zero="after")
+
+
+class _Complete(torch.nn.Module):
+    """Naive DDP with switches for the mistakes of exercise 03's part 2."""
+
+    buffers_each_forward, zeros_for_unused, include_frozen, skip_missing = True, False, False, False
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t, src=0)
+
+    def forward(self, *args, **kwargs):
+        if self.buffers_each_forward:
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, src=0)
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        params = [p for p in self.module.parameters() if p.requires_grad or self.include_frozen]
+        used = torch.tensor([float(p.grad is not None) for p in params])
+        dist.all_reduce(used)
+        for p, n in zip(params, used.tolist()):
+            if p.grad is None and self.skip_missing:
+                continue
+            if n == 0 and not self.zeros_for_unused:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad /= dist.get_world_size()
+            dist.all_reduce(p.grad)
+
+
+class CompleteStaleBuffers(_Complete):
+    """Broadcasts buffers once at construction only."""
+
+    buffers_each_forward = False  # BUG: running statistics drift apart
+
+
+class CompleteZerosForUnused(_Complete):
+    """Gives a parameter no rank used a zero gradient."""
+
+    zeros_for_unused = True  # BUG: torch DDP leaves it None
+
+
+class CompleteSyncsFrozen(_Complete):
+    """Synchronises frozen parameters too."""
+
+    include_frozen, zeros_for_unused = True, True  # BUG: a frozen parameter gets a gradient
+
+
+class CompleteSkipsMissing(_Complete):
+    """Skips parameters without a gradient on this rank, as the warm-up did."""
+
+    skip_missing = True  # BUG: the ranks issue different all-reduces
