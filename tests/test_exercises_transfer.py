@@ -216,3 +216,39 @@ def test_skipping_missing_gradients_is_caught_where_the_ranks_disagree():
                    quiet=True)
     assert "no_deadlock" in result.failed()
     assert "extra is used on rank 0 only" in result.criterion("no_deadlock").detail
+
+
+# -- 01: the gradient of the mean from uneven shards ----------------------------------------
+
+def test_mean_gradient_solution_passes_every_criterion():
+    solution = load_solution("01_why_data_parallel.ipynb")
+    _assert_all_passed(check("mean_gradient", solution.global_mean_gradient,
+                             shard_sizes=solution.shard_sizes, quiet=True))
+
+
+@pytest.mark.parametrize("bug, failed", [
+    (transfer_bugs.mean_gradient_plain_mean, {"uneven_shards", "empty_shard"}),
+    (transfer_bugs.mean_gradient_over_ranks_with_examples, {"uneven_shards"}),
+    (transfer_bugs.mean_gradient_summed, {"equal_shards", "uneven_shards", "empty_shard"})])
+def test_mean_gradient_bugs_fail_their_criteria(bug, failed):
+    solution = load_solution("01_why_data_parallel.ipynb")
+    result = check("mean_gradient", bug, shard_sizes=solution.shard_sizes, world_sizes=(3,),
+                   quiet=True)
+    assert set(result.failed()) == failed
+
+
+def test_shard_sizes_with_the_extra_at_the_end_fail():
+    solution = load_solution("01_why_data_parallel.ipynb")
+    result = check("mean_gradient", solution.global_mean_gradient,
+                   shard_sizes=transfer_bugs.shard_sizes_extra_last, world_sizes=(2,), quiet=True)
+    assert set(result.failed()) == {"shard_sizes_like_tensor_split"}
+
+
+def test_an_empty_shard_has_a_nan_loss_but_a_zero_gradient_in_torch():
+    import torch
+
+    from dpcourse.grading.ex01_mean_gradient import IN, OUT, flat_grad
+
+    model, x, y = torch.nn.Linear(IN, OUT), torch.zeros(0, IN), torch.zeros(0, OUT)
+    assert torch.nn.functional.mse_loss(model(x), y).isnan()
+    assert flat_grad(model, x, y).eq(0).all()

@@ -155,8 +155,8 @@ def test_every_exercise_runs_through_and_scores_zero(tmp_path):
     report = _grade("exercises", tmp_path)
     assert all(nb["status"] == "ok" for nb in report["notebooks"]), report["notebooks"]
     assert {r["check"] for r in report["results"]} == {
-        "collective_semantics", "ring_all_reduce", "halving_doubling", "naive_ddp",
-        "naive_ddp_complete",
+        "mean_gradient", "collective_semantics", "ring_all_reduce", "halving_doubling",
+        "naive_ddp", "naive_ddp_complete",
         "assign_buckets", "first_bucket", "overlapped_ddp", "arrival_order", "no_sync",
         "token_weighted", "ring_cost"}
     for row in report["results"]:

@@ -13,13 +13,14 @@ def _specs() -> dict:
     from dpcourse.grading import checks_collectives as col
     from dpcourse.grading import checks_ddp as ddp
     from dpcourse.grading import checks_pure as pure
+    from dpcourse.grading import ex01_mean_gradient as ex01
     from dpcourse.grading import ex03_buffers_unused as ex03
     from dpcourse.grading import ex04_halving_doubling as ex04
     from dpcourse.grading import ex05_first_bucket as ex05
     from dpcourse.grading import ex06_arrival_order as ex06
     from dpcourse.grading import ex07_token_weighted as ex07
 
-    specs = (col.CollectiveSemantics, col.RingAllReduce,
+    specs = (ex01.MeanGradient, col.CollectiveSemantics, col.RingAllReduce,
              ex04.HalvingDoublingAllReduce, ddp.NaiveDDP, ex03.BuffersUnused, pure.AssignBuckets,
              ex05.FirstBucket,
              ddp.OverlappedDDP, ex06.ArrivalOrderDDP, ddp.NoSync, ex07.TokenWeighted, pure.RingCost)

@@ -232,3 +232,30 @@ class CompleteSkipsMissing(_Complete):
     """Skips parameters without a gradient on this rank, as the warm-up did."""
 
     skip_missing = True  # BUG: the ranks issue different all-reduces
+
+
+def mean_gradient_plain_mean(local_grad, local_size, group=None):
+    """Averages the ranks' gradients, whatever their shard sizes."""
+    out = local_grad.nan_to_num().clone()
+    dist.all_reduce(out)
+    return out / dist.get_world_size()  # BUG: a mean of means
+
+
+def mean_gradient_over_ranks_with_examples(local_grad, local_size, group=None):
+    """Averages over the ranks that hold examples, ignoring how many each holds."""
+    packed = torch.cat([local_grad, local_grad.new_tensor([float(local_size > 0)])])
+    dist.all_reduce(packed)
+    return packed[:-1] / packed[-1]  # BUG: a shard of 2 counts like a shard of 1
+
+
+def mean_gradient_summed(local_grad, local_size, group=None):
+    """Weights by shard size but never divides by the total."""
+    out = local_grad * local_size
+    dist.all_reduce(out)
+    return out  # BUG: a sum over examples, not a mean
+
+
+def shard_sizes_extra_last(n, world_size):
+    """Gives the extra examples to the last shards."""
+    base, extra = divmod(n, world_size)
+    return [base + (1 if r >= world_size - extra else 0) for r in range(world_size)]  # BUG
