@@ -247,3 +247,60 @@ def ddp_with_kernel(kernel: str) -> dict:
 def test_overlapped_ddp_with_the_kernel_matches_torch_ddp(kernel):
     for res in dpcourse.run(ddp_with_kernel, kernel, world_size=GPUS, backend="nccl"):
         assert max(res["diffs"]) < 1e-4, res
+
+
+# -- the exercise's plumbing, on the CPU ---------------------------------------------------
+def test_learner_kernel_travels_as_source_and_knows_a_stub():
+    import pickle
+
+    from dpcourse.comm.kernels.exercise import LearnerKernel, kernel, tl
+
+    @kernel
+    def my_kernel(x, n, BLOCK: tl.constexpr):
+        """A docstring."""
+        return x
+
+    assert isinstance(my_kernel, LearnerKernel) and my_kernel.name == "my_kernel"
+    assert my_kernel.source.startswith("def my_kernel(") and "@kernel" not in my_kernel.source
+    again = pickle.loads(pickle.dumps(my_kernel))
+    assert (again.name, again.source) == (my_kernel.name, my_kernel.source)
+    assert not my_kernel.is_stub()
+    stub = LearnerKernel("k", 'def k(x):\n    raise NotImplementedError("Exercise 12.1")\n')
+    assert stub.is_stub()
+
+
+@pytest.mark.skipif(GPUS >= 2, reason="checks the message shown on machines without 2 GPUs")
+def test_exercise_check_skips_with_a_message_without_gpus(capsys):
+    from dpcourse.comm.kernels.exercise import LearnerKernel
+    from dpcourse.grading.ex12_nvlink_kernels import check_nvlink_kernels
+
+    k = LearnerKernel("one_shot_kernel", "def one_shot_kernel(x):\n    pass\n")
+    report = check_nvlink_kernels(k)
+    assert report["skipped"] and "at least 2 CUDA GPUs" in capsys.readouterr().out
+
+
+@pytest.mark.gpu(2)
+def test_exercise_check_passes_the_solution_kernels():
+    import json
+    import pathlib
+    import sys
+    import tempfile
+
+    from dpcourse.grading.ex12_nvlink_kernels import check_nvlink_kernels
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cells = json.loads((root / "solutions" / "12_nvlink_kernels.ipynb").read_text())["cells"]
+    src = "\n\n".join("".join(c["source"]) for c in cells
+                      if c["cell_type"] == "code" and "@kernel" in "".join(c["source"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "solution12.py"
+        path.write_text("from dpcourse.comm.kernels.exercise import block_barrier, kernel, "
+                        "peer_delta, tl\n" + src)
+        sys.path.insert(0, tmp)
+        try:
+            import solution12
+        finally:
+            sys.path.remove(tmp)
+    report = check_nvlink_kernels(solution12.one_shot_kernel, solution12.two_shot_kernel,
+                                  quiet=True)
+    assert all(all(v.values()) for v in report["results"].values()), report

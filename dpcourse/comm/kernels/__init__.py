@@ -15,4 +15,22 @@ from dpcourse.comm.kernels.workspace import (default_multicast_off, release_work
 default_multicast_off()
 
 __all__ = ["one_shot_all_reduce", "two_shot_all_reduce", "symmetric_empty",
-           "release_workspaces", "require_multicast_off"]
+           "release_workspaces", "require_multicast_off", "kernel_source"]
+
+
+def kernel_source(name: str) -> str:
+    """Return the source of function ``name`` in the Triton kernels module, without importing Triton.
+
+    Args:
+        name: e.g. ``"block_barrier"``, ``"one_shot_kernel"``, ``"two_shot_kernel"``.
+    """
+    import ast
+    import pathlib
+
+    path = pathlib.Path(__file__).with_name("triton_allreduce.py")
+    text = path.read_text()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            return "\n".join(text.splitlines()[start - 1:node.end_lineno])
+    raise ValueError(f"no function {name!r} in {path.name}.")

@@ -32,13 +32,20 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TILE_BYTES = 16 * 1024  # bytes of one tensor a block handles per loop iteration
 NUM_WARPS = 16
 ONE_SHOT_MAX_BLOCKS = 32  # latency-bound: a few blocks reach every peer in parallel
-TWO_SHOT_MAX_BLOCKS = 64  # bandwidth-bound: enough loads in flight to fill NVLink
+# Bandwidth-bound: enough loads in flight to fill NVLink. Measured on 2x H200 (bf16,
+# tensor in symmetric memory): 32 blocks 1.04x NCCL at 256 MiB, 128 blocks 1.11x, 256 1.11x.
+# Capped by the number of SMs, so that every block is resident (a block spins on a flag).
+TWO_SHOT_MAX_BLOCKS = 128
 ALIGN = 16  # elements: slices and buffer halves start 16-element aligned
 MAX_NUMEL = 2**31 - 2**24  # the kernels index with 32-bit offsets
 
 
 def _check(tensor: torch.Tensor, group, op) -> torch.Tensor:
     """Validate the arguments; return the 1-D view to reduce."""
+    if (type(tensor) is torch.Tensor and tensor.is_cuda and op is dist.ReduceOp.SUM
+            and tensor.dtype in DTYPES and tensor.is_contiguous() and tensor.dim() == 1
+            and tensor.numel() <= MAX_NUMEL):
+        return tensor  # the common case, checked cheaply: this runs on every call
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}.")
     if op != dist.ReduceOp.SUM:
@@ -54,8 +61,6 @@ def _check(tensor: torch.Tensor, group, op) -> torch.Tensor:
         raise ValueError("the tensor must be contiguous (call .contiguous() and copy back).")
     if tensor.numel() > MAX_NUMEL:
         raise ValueError(f"at most {MAX_NUMEL} elements per call; split the tensor.")
-    if dist.get_rank(group) < 0:
-        raise ValueError("this process is not a member of the group.")
     return tensor.view(-1)
 
 
@@ -70,11 +75,11 @@ def _kernels():
 
 def block_elems(dtype: torch.dtype) -> int:
     """Return ``BLOCK``, the elements a block handles per loop iteration for ``dtype``."""
-    return TILE_BYTES // torch.empty((), dtype=dtype).element_size()
+    return TILE_BYTES // dtype.itemsize
 
 
 def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
-                        max_blocks: int = ONE_SHOT_MAX_BLOCKS) -> None:
+                        max_blocks: int = ONE_SHOT_MAX_BLOCKS, kernel=None) -> None:
     """Sum ``tensor`` over ``group`` in place: every rank loads every peer's copy and adds.
 
     Args:
@@ -82,14 +87,18 @@ def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         group: the process group; ``None`` means the default group.
         op: only ``dist.ReduceOp.SUM``.
         max_blocks: cap on the grid (blocks per rank).
+        kernel: a Triton kernel with the parameters of ``one_shot_kernel`` to launch instead
+            (the exercise's); ``None`` launches ours.
     """
     flat = _check(tensor, group, op)
     n = flat.numel()
-    if n == 0 or dist.get_world_size(group) == 1:
+    if n == 0:
         return
     element = flat.element_size()
     half = -(-n // ALIGN) * ALIGN
     ws = get_workspace(2 * half * element, group, flat.device)
+    if ws.world_size == 1:
+        return
     # Two halves, alternating: a rank rewrites a half only after the barrier of the
     # call in between, so no peer can still be reading it (see the kernel).
     buf = ws.view(flat.dtype, n, offset=(ws.calls % 2) * half)
@@ -97,11 +106,11 @@ def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     block = block_elems(flat.dtype)
     grid = grid_size(n, block, min(max_blocks, ws.max_blocks))
     _kernels().launch_one_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
-                               ws.rank, ws.world_size, grid, block, NUM_WARPS)
+                               ws.rank, ws.world_size, grid, block, NUM_WARPS, kernel)
 
 
 def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
-                        max_blocks: int = TWO_SHOT_MAX_BLOCKS) -> None:
+                        max_blocks: int = TWO_SHOT_MAX_BLOCKS, kernel=None) -> None:
     """Sum ``tensor`` over ``group`` in place: reduce-scatter by peer loads, all-gather by stores.
 
     Args:
@@ -110,21 +119,28 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         group: the process group; ``None`` means the default group.
         op: only ``dist.ReduceOp.SUM``.
         max_blocks: cap on the grid (blocks per rank).
+        kernel: a Triton kernel with the parameters of ``two_shot_kernel`` to launch instead
+            (the exercise's); ``None`` launches ours.
     """
     flat = _check(tensor, group, op)
-    n, world = flat.numel(), dist.get_world_size(group)
-    if n == 0 or world == 1:
+    n = flat.numel()
+    if n == 0:
         return
     element = flat.element_size()
-    length = slice_len(n, world, ALIGN)
     ws = symmetric_workspace_of(flat, group)
     copy = ws is None
+    if copy:  # room for world_size aligned slices: n + world_size * ALIGN elements at most
+        ws = get_workspace((n + 64 * ALIGN) * element, group, flat.device)
+    if ws.world_size == 1:
+        return
+    length = slice_len(n, ws.world_size, ALIGN)
+    if copy and length * ws.world_size > n + 64 * ALIGN:  # more than 64 ranks
+        ws = get_workspace(length * ws.world_size * element, group, flat.device)
     if copy:
-        ws = get_workspace(length * world * element, group, flat.device)
         buf = ws.view(flat.dtype, n)
     else:  # the tensor is the symmetric buffer: peers load and store it directly
         buf = flat
     block = block_elems(flat.dtype)
     grid = grid_size(length, block, min(max_blocks, ws.max_blocks))
     _kernels().launch_two_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas, length,
-                               ws.rank, ws.world_size, grid, block, NUM_WARPS, copy)
+                               ws.rank, ws.world_size, grid, block, NUM_WARPS, copy, kernel)

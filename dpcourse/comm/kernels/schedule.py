@@ -325,3 +325,23 @@ def simulate(inputs: list[list[float]], kind: str = "one_shot", *, calls: int = 
 
 def _queues(plan: dict, rank: int) -> dict[int, list[Step]]:
     return {pid: list(steps) for (r, pid), steps in plan.items() if r == rank}
+
+
+def peer_traffic(plan: dict, rank: int) -> dict[str, int]:
+    """Count the elements rank ``rank`` moves over NVLink in one call of ``plan``.
+
+    Returns:
+        ``{"loaded": elements loaded from other ranks' buffers, "stored": elements
+        stored into other ranks' buffers}``, summed over the rank's blocks.
+    """
+    world = 1 + max(r for r, _ in plan)
+    loaded = stored = 0
+    for (r, _), steps in plan.items():
+        if r != rank:
+            continue
+        for s in steps:
+            if s.op == "reduce":
+                loaded += len(s.index) * (world - 1)
+            elif s.op == "push":
+                stored += len(s.index)
+    return {"loaded": loaded, "stored": stored}

@@ -2,7 +2,7 @@
 
 Small enough to run under ``compute-sanitizer`` (one process per GPU)::
 
-    torchrun --nproc-per-node 2 -m dpcourse.comm.kernels.selfcheck --numel 1000 --calls 20
+    torchrun --nproc-per-node 2 -m dpcourse.comm.kernels.selfcheck --numel 1000,4097 --calls 20
 
 Exits non-zero on the first mismatch.
 """
@@ -49,7 +49,7 @@ def check(numel: int, calls: int, dtype: torch.dtype) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--numel", type=int, default=1000)
+    p.add_argument("--numel", default="1000", help="comma-separated lengths")
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args(argv)
     require_multicast_off()
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     try:
-        bad = sum(check(args.numel, args.calls, d) for d in (torch.float32, torch.bfloat16))
+        numels = [int(v) for v in args.numel.split(",")]
+        bad = sum(check(n, args.calls, d) for n in numels for d in (torch.float32, torch.bfloat16))
         flag = torch.tensor([bad], device="cuda")
         dist.all_reduce(flag)
         if dist.get_rank() == 0:

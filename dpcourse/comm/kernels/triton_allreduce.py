@@ -167,15 +167,17 @@ def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
                     tl.store(x + offs, tl.load(buf + offs, mask=mask), mask=mask)
 
 
-def launch_one_shot(x, buf, buf_deltas, pad, pad_deltas, rank, world, grid, block, num_warps):
-    """Launch :func:`one_shot_kernel` on the current stream."""
-    one_shot_kernel[(grid,)](x, buf, buf_deltas, pad, pad_deltas, x.numel(),
-                             RANK=rank, WORLD=world, BLOCK=block, num_warps=num_warps)
+def launch_one_shot(x, buf, buf_deltas, pad, pad_deltas, rank, world, grid, block, num_warps,
+                    kernel=None):
+    """Launch :func:`one_shot_kernel` (or ``kernel``, same parameters) on the current stream."""
+    kernel = one_shot_kernel if kernel is None else kernel
+    kernel[(grid,)](x, buf, buf_deltas, pad, pad_deltas, x.numel(),
+                    RANK=rank, WORLD=world, BLOCK=block, num_warps=num_warps)
 
 
 def launch_two_shot(x, buf, buf_deltas, pad, pad_deltas, slice_len, rank, world, grid, block,
-                    num_warps, copy):
-    """Launch :func:`two_shot_kernel` on the current stream."""
-    two_shot_kernel[(grid,)](x, buf, buf_deltas, pad, pad_deltas, x.numel(), slice_len,
-                             RANK=rank, WORLD=world, BLOCK=block, COPY=copy,
-                             num_warps=num_warps)
+                    num_warps, copy, kernel=None):
+    """Launch :func:`two_shot_kernel` (or ``kernel``, same parameters) on the current stream."""
+    kernel = two_shot_kernel if kernel is None else kernel
+    kernel[(grid,)](x, buf, buf_deltas, pad, pad_deltas, x.numel(), slice_len,
+                    RANK=rank, WORLD=world, BLOCK=block, COPY=copy, num_warps=num_warps)

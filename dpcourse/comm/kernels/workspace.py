@@ -76,8 +76,12 @@ class Workspace:
         self.pad_deltas = _offsets(self.handle.signal_pad_ptrs, self.rank, 4, device)
         self._buf_deltas: dict[int, torch.Tensor] = {}
         self._device = device
-        self.max_blocks = self.pad.numel() // self.world_size
+        # Every block must be resident at once (blocks spin on flags): at most one per SM,
+        # and one flag slot per (block, peer) on the pad.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_blocks = min(sms, self.pad.numel() // self.world_size)
         self.calls = 0
+        self._views: dict = {}
 
     def deltas(self, element_size: int) -> torch.Tensor:
         """Return each rank's buffer minus ours, in elements of ``element_size`` bytes (on device)."""
@@ -88,7 +92,13 @@ class Workspace:
 
     def view(self, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
         """Return ``numel`` elements of the local buffer as ``dtype``, starting at element ``offset``."""
-        return self.buffer.view(dtype)[offset:offset + numel]
+        key = (dtype, numel, offset)
+        view = self._views.get(key)
+        if view is None:  # cached: making a view costs microseconds, on every call
+            if len(self._views) > 64:
+                self._views.clear()
+            view = self._views[key] = self.buffer.view(dtype)[offset:offset + numel]
+        return view
 
 
 def _offsets(ptrs, rank: int, element_size: int, device) -> torch.Tensor:
@@ -115,15 +125,18 @@ def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
     collective. Growing waits for the device and the group first, so no peer
     is still reading the old buffer when it is freed.
     """
-    pg = group if group is not None else dist.group.WORLD
-    key = (pg.group_name, device.index)
-    ws = _CACHE.get(key)
-    if ws is not None and ws.group is pg and ws.nbytes >= nbytes:
+    ws = _CACHE.get((id(group), device.index))  # fast path: no c10d calls
+    if ws is not None and ws.nbytes >= nbytes and (group is None or ws.group is group):
         return ws
+    pg = group if group is not None else dist.group.WORLD
+    key = (id(group), device.index)
+    ws = _CACHE.get(key)
+    if ws is not None and ws.group is not pg:  # a new default group under the same key
+        ws = None
     if ws is not None:
         torch.cuda.synchronize(device)
         dist.barrier(group=pg)
-        del _CACHE[key], ws
+        del ws
     _CACHE[key] = Workspace(nbytes, pg, device)
     return _CACHE[key]
 
@@ -158,7 +171,9 @@ def symmetric_empty(numel: int, dtype: torch.dtype = torch.float32, group=None) 
 def symmetric_workspace_of(tensor: torch.Tensor, group) -> Workspace | None:
     """Return the workspace ``tensor`` lives in when it came from :func:`symmetric_empty`."""
     ws = _SYMMETRIC.get(tensor.data_ptr())
+    if ws is None:
+        return None
     pg = group if group is not None else dist.group.WORLD
-    if ws is None or ws.group is not pg or not tensor.is_contiguous():
+    if ws.group is not pg or not tensor.is_contiguous():
         return None
     return ws
