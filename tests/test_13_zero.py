@@ -16,7 +16,8 @@ from dpcourse.zero import (ShardedOptimizer, chunk_size, gradient_bytes, optimiz
                            shard_range, trace_wire_bytes, zero_bytes_per_rank)
 from dpcourse.zero.layout import make_shard_buckets
 from ddp_helpers import make_model
-from zero_helpers import OPTIMIZERS, local_backward, max_diff, param_state, single_process_run
+from zero_helpers import (OPTIMIZERS, local_backward, max_diff, on_device, param_state,
+                          single_process_run)
 
 STEPS = 3
 # fp32: only the order of additions differs. AdamW divides by sqrt(v), so a rounding
@@ -267,3 +268,26 @@ def test_clear_errors(results):
     assert e["mode"].startswith("ValueError") and "sharded" in e["mode"]
     assert e["instance"].startswith("TypeError") and "class" in e["instance"]
     assert e["frozen"].startswith("ValueError") and "trainable" in e["frozen"]
+
+
+@pytest.mark.gpu(2)
+def test_nccl_every_mode_equals_single_process_and_torch():
+    for r in dpcourse.run(_nccl_checks, world_size=2, backend="nccl"):
+        assert all(v < 1e-4 for v in r.values()), r  # GPU kernels sum in their own order
+
+
+def _nccl_checks() -> dict:
+    """The GPT/AdamW comparisons on GPUs (models and batches on this rank's device)."""
+    import sys
+
+    import zero_helpers
+
+    dev = torch.device("cuda", dist.get_rank())
+    torch.cuda.set_device(dev)
+    with on_device(dev, sys.modules[__name__], zero_helpers):
+        single = single_process_run("gpt", make_model("gpt"), "adamw", STEPS)
+        out = {mode: max_diff(_train("gpt", "adamw", 0.004, mode), single)
+               for mode in ("averaged", "reduce_scatter", "sharded")}
+        out["torch_zero"] = max_diff(_train("gpt", "adamw", 0.004, "averaged"),
+                                     _torch_zero("gpt", "adamw"))
+    return out

@@ -57,3 +57,32 @@ def max_diff(a: list[dict], b: list[dict]) -> float:
         for k in sa:
             worst = max(worst, (sa[k] - sb[k]).abs().max().item() if sa[k].numel() else 0.0)
     return worst
+
+
+class on_device:
+    """Within the block, ``make_model`` and ``global_batch`` in ``modules`` build on ``device``.
+
+    Lets the gloo checks run unchanged over NCCL (GPU-marked tests).
+    """
+
+    def __init__(self, device: torch.device, *modules):
+        import ddp_helpers
+
+        self.device, self.modules = device, modules
+        self.make_model, self.global_batch = ddp_helpers.make_model, ddp_helpers.global_batch
+
+    def __enter__(self):
+        dev, build, batch = self.device, self.make_model, self.global_batch
+        for m in self.modules:
+            if hasattr(m, "make_model"):
+                m.make_model = lambda name, seed=0: build(name, seed).to(dev)
+            if hasattr(m, "global_batch"):
+                m.global_batch = lambda n, s, size=12: tuple(t.to(dev) for t in batch(n, s, size))
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            if hasattr(m, "make_model"):
+                m.make_model = self.make_model
+            if hasattr(m, "global_batch"):
+                m.global_batch = self.global_batch

@@ -1,0 +1,130 @@
+"""FSDPUnit: the hooks that gather a unit's parameters before it computes and free them after.
+
+Forward: a pre-forward hook waits for the unit's all-gather (usually already
+started by the previous unit: *prefetch*), points the module at the gathered
+views, and starts the next unit's all-gather; a post-forward hook frees the
+weights (``reshard after forward``) and registers a hook on the output.
+
+Backward: that output hook runs when the gradient of the unit's output is
+known, i.e. just before the unit's own backward: it gathers the weights again
+and prefetches the unit whose backward comes next. Once autograd has the
+gradient of the whole gathered vector, :class:`_Gather`'s backward launches
+its reduce-scatter (each rank receives the sum of its shard's gradient) and
+frees the weights again.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from dpcourse.fsdp.flat import FlatShard
+from dpcourse.zero.collectives import reduce_scatter
+
+
+class _Gather(torch.autograd.Function):
+    """Identity from the shard to the gathered vector for autograd; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, shard, flat, unit):  # type: ignore[override]
+        ctx.flat, ctx.unit = flat, unit
+        return flat.full.view(-1)
+
+    @staticmethod
+    def backward(ctx, grad_full):  # type: ignore[override]
+        ctx.unit.reduce_gradient(ctx.flat, grad_full)
+        return None, None, None
+
+
+class FSDPUnit:
+    """One unit (e.g. a transformer block): its flat shards and its hooks.
+
+    Args:
+        module: the submodule (``None`` for the root unit, driven by the wrapper).
+        flats: its :class:`FlatShard` groups (trainable and/or frozen).
+        owner: the :class:`~dpcourse.fsdp.FullyShardedDataParallel`.
+        index: position in the wrapper's unit list.
+    """
+
+    def __init__(self, module, flats: list[FlatShard], owner, index: int):
+        self.module, self.flats, self.owner, self.index = module, flats, owner, index
+        self.backward_started = False
+        self.forwarded = False
+        self.handles = []
+        if module is not None:
+            self.handles = [module.register_forward_pre_hook(self._pre_forward),
+                            module.register_forward_hook(self._post_forward)]
+
+    # -- gather / free ---------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Launch the all-gathers of this unit's weights (a prefetch)."""
+        for f in self.flats:
+            f.start_gather()
+
+    def gather(self) -> None:
+        """Make this unit's weights valid (wait for, or do, the all-gathers)."""
+        for f in self.flats:
+            f.wait_gather()
+
+    def free(self) -> None:
+        """Release this unit's gathered weights."""
+        for f in self.flats:
+            f.free()
+
+    def use_gathered(self) -> None:
+        """Point the module at the gathered weights, through :class:`_Gather` when trainable."""
+        for f in self.flats:
+            if f.shard.requires_grad and torch.is_grad_enabled():
+                f.set_views(_Gather.apply(f.shard, f, self))
+            else:
+                f.set_views(f.full.detach())
+
+    # -- hooks ------------------------------------------------------------------------
+    def _pre_forward(self, module, args):
+        if self.forwarded and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"FSDP unit {type(module).__name__} #{self.index} ran twice in one forward: "
+                "its gradient would be reduced twice. Make it a unit of its own per use, or "
+                "leave it to the root unit (pass units= without it).")
+        self.forwarded = torch.is_grad_enabled()
+        self.gather()
+        self.use_gathered()
+        self.owner._prefetch_after(self, backward=False)
+        return self.owner._cast_inputs(args)
+
+    def _post_forward(self, module, args, output):
+        self.free()
+        if torch.is_grad_enabled():
+            self.backward_started = False
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad):
+        if not self.backward_started:
+            self.backward_started = True
+            self.owner._backward_started()
+            with torch.no_grad():
+                self.gather()
+            self.owner._prefetch_after(self, backward=True)
+        return grad
+
+    # -- gradients --------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_gradient(self, flat: FlatShard, grad_full: torch.Tensor) -> None:
+        """Launch the reduce-scatter of a flat's full gradient; free the weights."""
+        owner = self.owner
+        grad = grad_full.to(owner.reduce_dtype or grad_full.dtype)
+        # fp16 can overflow a sum of N gradients: divide first (as DDP). fp32 and bf16 have
+        # fp32's range: sum, then divide only this rank's shard (as torch's fully_shard,
+        # which averages in the collective): N times fewer divisions, one rounding less.
+        divide_first = grad.dtype == torch.float16
+        if divide_first:
+            grad.div_(owner.world_size)  # grad_full is autograd's fresh buffer: ours to modify
+        out = torch.empty(flat.chunk, dtype=grad.dtype, device=grad.device)
+        work = reduce_scatter(out, grad, group=owner.group, async_op=True)
+        owner._pending.append((flat, work, out, grad, not divide_first))
+        # Every use of these weights has had its backward. (A frozen flat of the same
+        # unit may still be needed for an input gradient: it is freed when backward ends.)
+        flat.free()
