@@ -37,6 +37,7 @@ def _train_peak(variant: str, n_layer: int, width: int, seq_len: int, device, gr
     from dpcourse.models import random_tokens
 
     cfg = _cfg(n_layer, width, seq_len)
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     idx, targets = (t.to(device) for t in random_tokens(1, cfg, seed=0))
@@ -72,7 +73,7 @@ def largest_ddp_layers(width: int, seq_len: int, device, group, start: int = 8) 
     return lo
 
 
-def model_capacity(*, width: int = 2048, seq_len: int = 256, fill: float = 0.92) -> dict:
+def model_capacity(*, width: int = 2048, seq_len: int = 256, fill: float = 0.95) -> dict:
     """Measure the largest GPT trained per GPU with DDP (1 GPU) and our FSDP (all ranks).
 
     Call on every rank of a NCCL group (e.g. ``dpcourse.run(model_capacity, timeout=600)``).
@@ -92,10 +93,7 @@ def model_capacity(*, width: int = 2048, seq_len: int = 256, fill: float = 0.92)
     solo = dist.new_group([0])  # every rank must take part in creating it
     out: dict = {"world_size": world, "width": width, "seq_len": seq_len,
                  "device_bytes": torch.cuda.get_device_properties(device).total_memory}
-    if rank == 0:
-        layers = largest_ddp_layers(width, seq_len, device, solo)
-        out.update(ddp_layers=layers, ddp_params=count_parameters(_cfg(layers, width, seq_len)))
-    dist.barrier()
+    # FSDP first: the bisection's failed attempts can leave the allocator fragmented.
     fit = {n: _train_peak("fsdp", n, width, seq_len, device, None) for n in (4, 12)}
     slope = (fit[12] - fit[4]) / 8
     target = int((fill * out["device_bytes"] - fit[4]) / slope) + 4
@@ -105,4 +103,11 @@ def model_capacity(*, width: int = 2048, seq_len: int = 256, fill: float = 0.92)
     peak = _train_peak("fsdp", target, width, seq_len, device, None)
     out.update(fsdp_layers=target, fsdp_params=count_parameters(_cfg(target, width, seq_len)),
                fsdp_peak_bytes=peak, fsdp_fit=fit)
+    gc.collect()
+    torch.cuda.empty_cache()
+    dist.barrier()
+    if rank == 0:
+        layers = largest_ddp_layers(width, seq_len, device, solo, start=32)
+        out.update(ddp_layers=layers, ddp_params=count_parameters(_cfg(layers, width, seq_len)))
+    dist.barrier()
     return out

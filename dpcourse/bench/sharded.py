@@ -18,8 +18,11 @@ bytes of this rank's optimizer state and gradients.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
 from dpcourse.device import rank_device
@@ -46,7 +49,8 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
     with torch.device(device):  # initialise on the GPU: large models build in seconds
         model = GPT(cfg, seed=0)
     amp = torch.bfloat16 if device.type == "cuda" else None
-    fused = {"fused": True} if device.type == "cuda" else {}
+    fused: dict[str, Any] = {"fused": True} if device.type == "cuda" else {}
+    wrapped: nn.Module
     if variant == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
 

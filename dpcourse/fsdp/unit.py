@@ -125,6 +125,10 @@ class FSDPUnit:
         out = torch.empty(flat.chunk, dtype=grad.dtype, device=grad.device)
         work = reduce_scatter(out, grad, group=owner.group, async_op=True)
         owner._pending.append((flat, work, out, grad, not divide_first))
+        # Keep one reduce-scatter in flight: finishing the previous one releases its
+        # full-size gradient. Holding them all until the end of backward would keep a
+        # whole unsharded gradient per rank, what sharding is meant to avoid.
+        owner._drain(keep=1)
         # Every use of these weights has had its backward. (A frozen flat of the same
         # unit may still be needed for an input gradient: it is freed when backward ends.)
         flat.free()

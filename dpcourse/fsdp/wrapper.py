@@ -102,9 +102,9 @@ class FullyShardedDataParallel(nn.Module):
         self._in_backward = False
 
     def _build_units(self, module: nn.Module, unit_modules: list[nn.Module]) -> None:
-        owner_of = {}  # module id -> unit position (1-based; 0 is the root)
-        for k, um in enumerate(unit_modules, start=1):
-            for m in um.modules():
+        owner_of: dict[int, int] = {}  # module id -> unit position (1-based; 0 is the root)
+        for k, unit_module in enumerate(unit_modules, start=1):
+            for m in unit_module.modules():
                 if owner_of.setdefault(id(m), k) != k:
                     raise ValueError("units= must not overlap (a module inside two units).")
         sites = _sites_by_param(module)
@@ -116,14 +116,17 @@ class FullyShardedDataParallel(nn.Module):
             # which stays gathered for the whole forward and backward.
             unit = owners.pop() if len(owners) == 1 else 0
             groups.setdefault((unit, params[pid].requires_grad), []).append(pid)
-        for k, um in enumerate([None] + unit_modules):
-            flats = [FlatShard([params[i] for i in groups[(k, rg)]],
-                               [sites[i] for i in groups[(k, rg)]], self.group,
-                               self.world_size, self.rank, self.compute_dtype)
-                     for rg in (True, False) if (k, rg) in groups]
-            self._names_by_flat = getattr(self, "_names_by_flat", {})
-            for rg, f in zip([rg for rg in (True, False) if (k, rg) in groups], flats):
-                self._names_by_flat[id(f)] = [self._names[i] for i in groups[(k, rg)]]
+        self._names_by_flat: dict[int, list[str]] = {}
+        modules: list[nn.Module | None] = [None, *unit_modules]
+        for k, um in enumerate(modules):
+            flats = []
+            for rg in (True, False):  # trainable and frozen parameters never share a flat
+                if (k, rg) in groups:
+                    ids = groups[(k, rg)]
+                    flats.append(FlatShard([params[i] for i in ids], [sites[i] for i in ids],
+                                           self.group, self.world_size, self.rank,
+                                           self.compute_dtype))
+                    self._names_by_flat[id(flats[-1])] = [self._names[i] for i in ids]
             self.units.append(FSDPUnit(um, flats, self, k))
 
     # -- called by the units ---------------------------------------------------------
@@ -188,18 +191,23 @@ class FullyShardedDataParallel(nn.Module):
         Runs automatically at the end of each ``loss.backward()``; calling it again
         does nothing. Also frees every gathered weight.
         """
-        pending, self._pending = self._pending, []
-        for flat, work, out, _grad, divide_after in pending:
-            work.wait()
-            if divide_after:
-                out.div_(self.world_size)
-            g = out.to(flat.shard.dtype)
-            if flat.shard.grad is None:
-                flat.shard.grad = g
-            else:
-                flat.shard.grad.add_(g)
+        self._drain(keep=0)
         for u in self.units:
             u.free()
+
+    @torch.no_grad()
+    def _drain(self, keep: int) -> None:
+        """Finish all but the ``keep`` newest reduce-scatters; add them into the shard gradients."""
+        done = self._pending[:max(0, len(self._pending) - keep)]
+        self._pending = self._pending[len(done):]
+        for flat, work, out, _grad, divide_after in done:
+            work.wait()  # on GPU: the current stream waits for the collective
+            if divide_after:
+                out.div_(self.world_size)
+            if flat.shard.grad is None:
+                flat.shard.grad = out.to(flat.shard.dtype)
+            else:
+                flat.shard.grad.add_(out)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
@@ -207,7 +215,7 @@ class FullyShardedDataParallel(nn.Module):
 
         A collective: every rank must call it. A tied weight appears once, under its first name.
         """
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for u in self.units:
             for f in u.flats:
                 out.update(zip(self._names_by_flat[id(f)], f.gather_full()))
