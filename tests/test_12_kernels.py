@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 import dpcourse
 from dpcourse.comm.kernels import one_shot_all_reduce, two_shot_all_reduce
-from dpcourse.comm.kernels.schedule import (block_tiles, grid_size, one_shot_plan, simulate,
-                                            slice_len, two_shot_plan)
+from dpcourse.comm.kernels.schedule import (block_tiles, grid_size, one_shot_plan, slice_len,
+                                            two_shot_plan)
+from dpcourse.comm.kernels.simulation import simulate
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
