@@ -47,7 +47,7 @@ CRITERIA = (
               "A wrong sum only now and then is a race: stage your data, then call "
               "block_barrier before loading a peer's buffer; in two-shot, call it again after "
               "pushing the sums and before copying them out."),
-    Criterion("no_deadlock", "every kernel returns (no block waits forever for a flag)",
+    Criterion("kernels_return", "every kernel returns (no block waits forever for a flag)",
               "Every block must call block_barrier the same number of times on every rank, "
               "with its own program id; never return early from a block."),
 )
@@ -210,3 +210,35 @@ def _show(report: dict) -> None:
     print(format_table(rows))
     for line in report["message"].split("; ") if report["message"] else []:
         print("  " + line)
+
+
+def _spec_class():
+    """Build the registry's view of this check (a ``CheckSpec``), imported only when registered."""
+    from dpcourse.grading import criteria as crit
+    from dpcourse.grading.runner import CheckSpec
+
+    class NvlinkKernels(CheckSpec):
+        """``one_shot_kernel`` (and ``two_shot=two_shot_kernel``): Triton kernels on NVLink."""
+
+        name, exercise, title = "nvlink_kernels", "12", "All-reduce kernels on NVLink"
+        in_rank = False  # check_nvlink_kernels starts the GPU ranks itself
+        timeout = 600.0
+        criteria = tuple(
+            crit.Criterion(f"{kind}_{c.name}", f"{kind.replace('_', '-')}: {c.description}",
+                           c.hint, requires=None if kind == "one_shot" else "two_shot")
+            for kind in ("one_shot", "two_shot") for c in CRITERIA)
+        notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "
+                 "least 2 CUDA GPUs",)
+
+        def run(self, rec, learner, extras, reference):
+            report = check_nvlink_kernels(learner, extras.get("two_shot"), quiet=True)
+            if report["skipped"]:
+                raise RuntimeError(report["message"])
+            for kind, results in report["results"].items():
+                for name, passed in results.items():
+                    detail = "; ".join(m for m in report["message"].split("; ")
+                                       if m.startswith(f"{kind},") and f" {name}:" in m)
+                    rec.record(f"{kind}_{name}", passed,
+                               detail or ("" if passed else report["message"]))
+
+    return NvlinkKernels
