@@ -252,3 +252,36 @@ def test_an_empty_shard_has_a_nan_loss_but_a_zero_gradient_in_torch():
     model, x, y = torch.nn.Linear(IN, OUT), torch.zeros(0, IN), torch.zeros(0, OUT)
     assert torch.nn.functional.mse_loss(model(x), y).isnan()
     assert flat_grad(model, x, y).eq(0).all()
+
+
+# -- 08: rank-0 checkpoint and exact resume -------------------------------------------------
+
+def test_checkpoint_solution_passes_every_criterion():
+    solution = load_solution("08_real_training_run.ipynb")
+    _assert_all_passed(check("checkpoint_resume", solution.save_checkpoint,
+                             load_checkpoint=solution.load_checkpoint, quiet=True))
+
+
+@pytest.mark.parametrize("save, failed", [
+    (transfer_bugs.save_rank_0_rng_only, {"restores_each_ranks_rng", "exact_resume"}),
+    (transfer_bugs.save_without_barrier, {"rank_0_writes"}),
+    (transfer_bugs.save_on_every_rank, {"rank_0_writes"}),
+    (transfer_bugs.save_without_epoch, {"restores_sampler_position", "exact_resume"})])
+def test_checkpoint_bugs_fail_their_criteria(save, failed):
+    result = check("checkpoint_resume", save, load_checkpoint=transfer_bugs.load_checkpoint,
+                   quiet=True)
+    assert set(result.failed()) == failed
+
+
+def test_resume_is_not_exact_by_accident():
+    """Without the generator states, dropout draws other masks and the runs part."""
+    import torch
+
+    from dpcourse.grading import ex08_checkpoint as ex
+
+    def masks(seed):
+        torch.manual_seed(seed)
+        return torch.nn.functional.dropout(torch.ones(64), 0.3)
+
+    assert not torch.equal(masks(1000), masks(1001))  # the ranks' masks differ
+    assert 0 < ex.STOP[0] < ex.EPOCHS - 1 and ex.STOP[1] > 0  # mid-run and mid-epoch

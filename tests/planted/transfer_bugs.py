@@ -259,3 +259,47 @@ def shard_sizes_extra_last(n, world_size):
     """Gives the extra examples to the last shards."""
     base, extra = divmod(n, world_size)
     return [base + (1 if r >= world_size - extra else 0) for r in range(world_size)]  # BUG
+
+
+def _save(path, model, optimizer, sampler, step, *, all_rngs=True, barrier=True, everyone=False,
+          epoch=True):
+    rng = [None] * dist.get_world_size()
+    dist.all_gather_object(rng, torch.get_rng_state())
+    if not all_rngs:
+        rng = [rng[0]] * len(rng)
+    if dist.get_rank() == 0 or everyone:
+        target = path if dist.get_rank() == 0 else f"{path}.rank{dist.get_rank()}"
+        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "epoch": sampler.epoch if epoch else 0, "step": step, "rng": rng}, target)
+    if barrier:
+        dist.barrier()
+
+
+def load_checkpoint(path, model, optimizer, sampler):
+    """A correct load, for the planted saves."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    sampler.set_epoch(state["epoch"])
+    torch.set_rng_state(state["rng"][dist.get_rank()])
+    return state["step"]
+
+
+def save_rank_0_rng_only(path, model, optimizer, sampler, step):
+    """Writes rank 0's generator state for every rank."""
+    _save(path, model, optimizer, sampler, step, all_rngs=False)  # BUG: ranks' states differ
+
+
+def save_without_barrier(path, model, optimizer, sampler, step):
+    """Lets the other ranks return while rank 0 is still writing."""
+    _save(path, model, optimizer, sampler, step, barrier=False)  # BUG: no wait
+
+
+def save_on_every_rank(path, model, optimizer, sampler, step):
+    """Every rank writes a file."""
+    _save(path, model, optimizer, sampler, step, everyone=True)  # BUG: N writers
+
+
+def save_without_epoch(path, model, optimizer, sampler, step):
+    """Forgets the sampler's epoch."""
+    _save(path, model, optimizer, sampler, step, epoch=False)  # BUG: the shuffle restarts
