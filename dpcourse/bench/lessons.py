@@ -4,8 +4,10 @@ A laptop cannot show overlap or link bandwidth, so the lessons show the CPU
 measurement of the learner's own run beside numbers recorded once on GPUs.
 ``python -m dpcourse.bench.lessons OUT_DIR`` runs every measurement in three
 launches (2 ranks over NVLink, 2 ranks over sockets as a slow link, 1 rank)
-and writes ``lessons-<N>x-<gpu>.json`` (all sections, with the environment)
-plus a rank-0 Chrome trace of one overlapped step per link.
+and writes ``lessonNN-<N>x-<gpu>.json`` for NN = 05, 06, 08, 09 (each with the
+environment), plus rank 0's Chrome traces of the profiled steps.
+``--timelines`` records only lesson 06's per-rank timelines (``timelines.json``).
+Read the files with :func:`dpcourse.bench.recorded.load_recording`.
 
 Model: GPT-2 small (about 124 M parameters, fp32 weights and gradients, bf16
 autocast), 8 sequences of 1024 tokens per rank, fused AdamW, as ``dpcourse
@@ -25,17 +27,17 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.bench.allreduce import allreduce_sweep
+from dpcourse.bench.cli import SLOW_LINK_ENV, slow_link
 from dpcourse.bench.ddp import _config, _wrap, ddp_step_times
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
 from dpcourse.device import rank_device
 
-SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 PHASES = ("forward", "backward", "optimizer")
 CONFIG = "auto"  # GPT-2 small on GPU, a tiny GPT on CPU (a dry run of this script)
 
 
 def _gpt_step_parts(variant, cap, batch_size=8):
-    """Build one GPT-2 small replica; return (wrapped, model, opt, step, forward, idx, targets)."""
+    """Build one GPT-2 small replica (a tiny GPT on CPU); return (wrapped, model, opt, step, forward)."""
     from dpcourse.models import GPT, random_tokens
 
     device = rank_device()
@@ -285,30 +287,33 @@ def record_timelines(out_dir: str, env: dict) -> int:
     out = {"environment": env, "what": "per-rank GPU timelines of one GPT-2 small step"}
     out["nvlink"] = dpcourse.run(timeline_rank, os.path.join(out_dir, "nvlink"), world_size=2,
                                  timeout=300)
-    saved = {k: os.environ.get(k) for k in SLOW_LINK_ENV}
-    os.environ.update(SLOW_LINK_ENV)
-    try:
+    with slow_link(True):  # the ranks inherit the environment: NCCL over sockets
         out["slow_link"] = dpcourse.run(timeline_rank, os.path.join(out_dir, "slow"),
                                         world_size=2, timeout=300)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     with open(os.path.join(out_dir, "timelines.json"), "w") as f:
         json.dump(out, f, default=str)
     return 0
 
 
-def main(out_dir: str) -> int:
+def main(argv=None) -> int:
+    """Record everything (or, with ``--timelines``, lesson 06's timelines) into OUT_DIR."""
+    import argparse
+
     import dpcourse
     from dpcourse.bench.report import environment, slug
 
-    os.environ.update(NCCL_NVLS_ENABLE="0")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", default=os.path.join("docs", "results"))
+    parser.add_argument("--timelines", action="store_true",
+                        help="record only lesson 06's per-rank GPU timelines, both links")
+    args = parser.parse_args(argv)
+    out_dir = args.out_dir
+    os.environ.update(NCCL_NVLS_ENABLE="0")  # no NVLink multicast on shared machines
     backend, world_size = dpcourse.resolve_backend("auto", 2)
     env = environment(backend, world_size)
-    record = {"what": "GPU recordings shown by lessons 05, 06, 08 and 09",
-              "model": "GPT-2 small, fp32 weights and gradients, bf16 autocast, fused AdamW, "
+    record = {"model": "GPT-2 small, fp32 weights and gradients, bf16 autocast, fused AdamW, "
                        "8 x 1024 tokens per rank", "environment": env}
-    if "--timelines" in sys.argv:  # only the per-rank GPU timelines of lesson 06, both links
+    if args.timelines:
         return record_timelines(out_dir, env)
     results = dpcourse.run(nvlink_rank, out_dir, world_size=2, timeout=400)
     record["nvlink"] = dict(results[0], timeline={v: [r["timeline"][v] for r in results]
@@ -316,16 +321,11 @@ def main(out_dir: str) -> int:
     print("fast link done", flush=True)
     record["one_gpu"] = dpcourse.run(one_rank, world_size=1, timeout=200)[0]
     print("one GPU done", flush=True)
-    saved = {k: os.environ.get(k) for k in SLOW_LINK_ENV}
-    os.environ.update(SLOW_LINK_ENV)
-    try:
+    with slow_link(True):  # the ranks inherit the environment: NCCL over sockets
         results = dpcourse.run(slow_rank, out_dir, world_size=2, timeout=400)
-        record["slow_link"] = dict(results[0], timeline={v: [r["timeline"][v] for r in results]
-                                                         for v in results[0]["timeline"]})
-        record["slow_link"]["nccl_env"] = dict(SLOW_LINK_ENV)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    record["slow_link"] = dict(results[0], timeline={v: [r["timeline"][v] for r in results]
+                                                     for v in results[0]["timeline"]})
+    record["slow_link"]["nccl_env"] = dict(SLOW_LINK_ENV)
     gpu = slug(env.get("gpus", ["cpu"])[0]) if backend == "nccl" else "cpu"
     nv, slow, one = record["nvlink"], record["slow_link"], record["one_gpu"]
     head = {k: record[k] for k in ("model", "environment")}
@@ -348,4 +348,4 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else os.path.join("docs", "results")))
+    sys.exit(main())
