@@ -129,8 +129,9 @@ def measure_memory(variant: str, cfg, device, idx, targets, *, steps: int = 3,
     for _ in range(steps - 1):
         step()
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-        _, loss = model(idx, targets)
+        loss = model(idx, targets)[1]  # the logits are not kept
     loss.backward()
+    del loss
     if hasattr(model, "finish_gradient_synchronization"):
         model.finish_gradient_synchronization()
     grads = _bytes(p.grad for p in params) + (gradient_bytes([], opt))
