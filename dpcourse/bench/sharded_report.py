@@ -56,5 +56,28 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+
+def load_sharded_results(stem: str, results_dir=None) -> dict:
+    """Load one recorded file of this benchmark, e.g. ``"zero-fsdp-2x-nvidia-h200"``.
+
+    Args:
+        stem: file name without ``.json``.
+        results_dir: where it is (default: the repository's ``docs/results``).
+
+    Returns:
+        The file's dict, plus ``"file"`` (its name) and ``"hardware"`` (one line naming the GPUs).
+    """
+    import pathlib
+
+    from dpcourse.bench.recorded import RESULTS, hardware
+
+    path = (pathlib.Path(results_dir) if results_dir is not None else RESULTS) / f"{stem}.json"
+    with open(path) as f:
+        data = json.load(f)
+    data["file"] = path.name
+    data["hardware"] = hardware(data.get("environment", {}))
+    return data
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
