@@ -72,6 +72,53 @@ def test_one_shot_needs_two_buffer_halves():
     assert sum(w > 0 for w in wrong) >= 10, wrong
 
 
+SIZES = (6, 3, 9, 4, 7, 2)
+MIXED = ("one_shot", "two_shot", "one_shot", "one_shot", "two_shot", "one_shot")
+
+
+def _sized(call: int, rank: int) -> list[float]:
+    return [float(100 * call + 10 * rank + i) for i in range(SIZES[call])]
+
+
+def _wrong_mixed(world: int, seeds: int, **layout) -> int:
+    wrong = 0
+    for seed in range(seeds):
+        _, results = simulate([_sized(0, r) for r in range(world)], list(MIXED),
+                              calls=len(MIXED), seed=seed, next_inputs=_sized, **layout)
+        want = [[sum(_sized(c, r)[i] for r in range(world)) for i in range(SIZES[c])]
+                for c in range(len(MIXED))]
+        wrong += any(results[c][r] != want[c] for c in range(len(MIXED)) for r in range(world))
+    return wrong
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_mixed_kernels_and_sizes_share_the_workspace_halves(world):
+    assert _wrong_mixed(world, 20) == 0
+
+
+def test_halves_sized_by_each_call_race():
+    # half c % 2 starting at the call's own size: a long call's half 0 covers a short
+    # call's half 1, which a slow peer may still be reading
+    assert _wrong_mixed(2, 40, fixed_halves=False) >= 10
+
+
+def test_workspace_halves_are_fixed_and_alternate():
+    from dpcourse.comm.kernels.workspace import Workspace
+
+    ws = object.__new__(Workspace)  # the layout only: a plain buffer stands in for the mapping
+    ws.nbytes, ws.buffer, ws.calls, ws._views = 1024, torch.zeros(1024, dtype=torch.uint8), 0, {}
+    starts = []
+    for n, dtype in ((10, torch.float32), (128, torch.float32), (3, torch.bfloat16),
+                     (256, torch.bfloat16), (1, torch.float32)):
+        view = ws.next_half(dtype, n)
+        offset = view.data_ptr() - ws.buffer.data_ptr()
+        starts.append(offset)
+        assert view.numel() == n and offset + n * dtype.itemsize <= (offset // 512 + 1) * 512
+    assert starts == [0, 512, 0, 512, 0] and ws.calls == 5
+    with pytest.raises(ValueError, match="half"):
+        ws.next_half(torch.float32, 129)
+
+
 @pytest.mark.parametrize("numel,world", [(1, 2), (17, 2), (40, 3), (103, 4), (5, 8)])
 def test_two_shot_plan_reduces_every_element_once(numel, world):
     plan = two_shot_plan(numel, world, block=4, max_blocks=3)
@@ -184,6 +231,33 @@ def back_to_back(calls: int) -> list:
                     sums[i] = (x.double() - ref.double() - world * (i % 16)).abs().max()
                 out.append((name, n, str(dtype), sums.nonzero().flatten().tolist()[:10]))
     return out
+
+
+def mixed_back_to_back(calls: int) -> list:
+    """Kernels and sizes change from call to call (as DDP buckets do), no host sync."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank)
+    sizes = (4097, 300_001, 17, 65536, 1_000_003)
+    bases, refs = [], []
+    for i, n in enumerate(sizes):
+        g = torch.Generator().manual_seed(10 * i + rank)
+        bases.append(torch.randint(-8, 9, (n,), generator=g).float().to(dev))
+        refs.append(bases[-1].clone())
+        dist.all_reduce(refs[-1])
+    errors = torch.empty(calls, dtype=torch.float64, device=dev)
+    for i in range(calls):
+        j = (7 * i) % len(sizes)
+        x = bases[j] + (i % 16)
+        KERNELS[("one_shot", "two_shot")[(i // 3) % 2]](x)
+        errors[i] = (x.double() - refs[j].double() - world * (i % 16)).abs().max()
+    return errors.nonzero().flatten().tolist()[:10]
+
+
+@pytest.mark.gpu(2)
+def test_kernels_stay_correct_when_sizes_and_kernels_change_every_call():
+    for rank, wrong in enumerate(dpcourse.run(mixed_back_to_back, 1000, world_size=GPUS,
+                                              backend="nccl", timeout=600)):
+        assert not wrong, f"rank {rank}: wrong in calls {wrong}"
 
 
 @pytest.mark.gpu(2)

@@ -36,7 +36,7 @@ ONE_SHOT_MAX_BLOCKS = 32  # latency-bound: a few blocks reach every peer in para
 # tensor in symmetric memory): 32 blocks 1.04x NCCL at 256 MiB, 128 blocks 1.11x, 256 1.11x.
 # Capped by the number of SMs, so that every block is resident (a block spins on a flag).
 TWO_SHOT_MAX_BLOCKS = 128
-ALIGN = 16  # elements: slices and buffer halves start 16-element aligned
+ALIGN = 16  # elements: every rank's slice starts 16-element aligned (16-byte accesses)
 MAX_NUMEL = 2**31 - 2**24  # the kernels index with 32-bit offsets
 
 
@@ -95,14 +95,12 @@ def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     if n == 0:
         return
     element = flat.element_size()
-    half = -(-n // ALIGN) * ALIGN
-    ws = get_workspace(2 * half * element, group, flat.device)
+    ws = get_workspace(2 * n * element, group, flat.device)  # two halves, each fits a call
     if ws.world_size == 1:
         return
-    # Two halves, alternating: a rank rewrites a half only after the barrier of the
-    # call in between, so no peer can still be reading it (see the kernel).
-    buf = ws.view(flat.dtype, n, offset=(ws.calls % 2) * half)
-    ws.calls += 1
+    # Calls alternate between two fixed halves: a rank rewrites a half only after the
+    # barrier of the call in between, so no peer can still be reading it (see the kernel).
+    buf = ws.next_half(flat.dtype, n)
     block = block_elems(flat.dtype)
     grid = grid_size(n, block, min(max_blocks, ws.max_blocks))
     _kernels().launch_one_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
@@ -129,15 +127,15 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     element = flat.element_size()
     ws = symmetric_workspace_of(flat, group)
     copy = ws is None
-    if copy:  # room for world_size aligned slices: n + world_size * ALIGN elements at most
-        ws = get_workspace((n + 64 * ALIGN) * element, group, flat.device)
+    if copy:  # two halves, each with room for world_size aligned slices (<= 64 ranks)
+        ws = get_workspace(2 * (n + 64 * ALIGN) * element, group, flat.device)
     if ws.world_size == 1:
         return
     length = slice_len(n, ws.world_size, ALIGN)
     if copy and length * ws.world_size > n + 64 * ALIGN:  # more than 64 ranks
-        ws = get_workspace(length * ws.world_size * element, group, flat.device)
-    if copy:
-        buf = ws.view(flat.dtype, n)
+        ws = get_workspace(2 * length * ws.world_size * element, group, flat.device)
+    if copy:  # alternating halves, shared with one-shot (its kernel says why)
+        buf = ws.next_half(flat.dtype, n)
     else:  # the tensor is the symmetric buffer: peers load and store it directly
         buf = flat
     block = block_elems(flat.dtype)

@@ -47,11 +47,11 @@ def bare_one_shot(x: torch.Tensor):
     from dpcourse.comm.kernels.workspace import get_workspace
 
     n, element = x.numel(), x.element_size()
-    half = -(-n // ar.ALIGN) * ar.ALIGN
-    ws = get_workspace(2 * half * element, None, x.device)
+    ws = get_workspace(2 * n * element, None, x.device)
     block = ar.block_elems(x.dtype)
     grid = ar.grid_size(n, block, min(ar.ONE_SHOT_MAX_BLOCKS, ws.max_blocks))
-    args = [(x, ws.view(x.dtype, n, offset=h * half), ws.deltas(element), ws.pad,
+    half_len = (ws.nbytes // 2) // element
+    args = [(x, ws.view(x.dtype, n, offset=h * half_len), ws.deltas(element), ws.pad,
              ws.pad_deltas, n, ws.rank, ws.world_size, block) for h in (0, 1)]
     compiled = tk.one_shot_kernel[(grid,)](*args[ws.calls % 2][:6], RANK=ws.rank,
                                            WORLD=ws.world_size, BLOCK=block,

@@ -75,7 +75,7 @@ class Step:
     from every rank's buffer, sum, write the input), ``"push"`` (store the sum
     into ``peer``'s buffer) or ``"copy_out"`` (own buffer -> input).
     ``index`` is the range of elements; ``offset`` shifts it inside the buffer
-    (one-shot alternates between two halves of its buffer).
+    (calls alternate between two halves of the workspace).
     """
 
     op: str
@@ -111,13 +111,14 @@ def one_shot_plan(numel: int, world_size: int, block: int = 4, max_blocks: int =
 
 
 def two_shot_plan(numel: int, world_size: int, block: int = 4, max_blocks: int = 2,
-                  barrier: bool = True) -> dict[tuple[int, int], list[Step]]:
+                  barrier: bool = True, offset: int = 0) -> dict[tuple[int, int], list[Step]]:
     """Return every block's steps in one call of the two-shot kernel.
 
     Per block: copy its tiles of the *other* ranks' slices into the symmetric
     buffer; barrier; reduce its tiles of this rank's own slice by loading them
     from every peer, write the sum to the input and push it into every peer's
     buffer; barrier; copy the other slices' sums from the buffer to the input.
+    Buffer positions are shifted by ``offset``.
 
     Returns:
         ``{(rank, block): [Step, ...]}``.
@@ -130,13 +131,13 @@ def two_shot_plan(numel: int, world_size: int, block: int = 4, max_blocks: int =
         for pid in range(blocks):
             tiles = block_tiles(length, block, blocks, pid)
             own = [_within(t, rank, length, numel) for t in tiles]
-            steps = [Step("copy", rank, pid, s, _within(t, s, length, numel))
+            steps = [Step("copy", rank, pid, s, _within(t, s, length, numel), offset)
                      for t in tiles for s in others]
             steps += _barrier(rank, pid, world_size) if barrier else []
-            steps += [Step("reduce", rank, pid, None, t) for t in own]
-            steps += [Step("push", rank, pid, p, t) for t in own for p in others]
+            steps += [Step("reduce", rank, pid, None, t, offset) for t in own]
+            steps += [Step("push", rank, pid, p, t, offset) for t in own for p in others]
             steps += _barrier(rank, pid, world_size) if barrier else []
-            steps += [Step("copy_out", rank, pid, s, _within(t, s, length, numel))
+            steps += [Step("copy_out", rank, pid, s, _within(t, s, length, numel), offset)
                       for t in tiles for s in others]
             plan[(rank, pid)] = steps
     return plan
@@ -171,3 +172,15 @@ def peer_traffic(plan: dict, rank: int) -> dict[str, int]:
             elif s.op == "push":
                 stored += len(s.index)
     return {"loaded": loaded, "stored": stored}
+
+
+def half_offset(call: int, half_len: int) -> int:
+    """Return where call number ``call`` works in the workspace: half ``call % 2``.
+
+    The halves are fixed (``half_len`` elements each, whatever size a call
+    reduces), and every call uses the half its number's parity names. A half is
+    written again only two calls later, after the barrier of the call in
+    between, which no peer passes before its kernel of this call (and so every
+    load of this half) has finished.
+    """
+    return (call % 2) * half_len

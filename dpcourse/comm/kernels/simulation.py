@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from dpcourse.comm.kernels.schedule import Step, one_shot_plan, two_shot_plan
+from dpcourse.comm.kernels.schedule import Step, half_offset, one_shot_plan, two_shot_plan
 
 
 @dataclass
@@ -94,24 +94,24 @@ def execute(m: Machine, s: Step, kind: str, release: bool = True) -> None:
             x[i] = sum(_load(m, s, p, off + i) for p in range(world))
     elif s.op == "reduce":  # two-shot: own slice from the input, the peers' from their buffers
         for i in s.index:
-            x[i] = sum(x[i] if p == s.rank else _load(m, s, p, i) for p in range(world))
+            x[i] = sum(x[i] if p == s.rank else _load(m, s, p, off + i) for p in range(world))
     elif s.op == "push":
         for i in s.index:
-            _store(m, s, s.peer, i, x[i], weak)
+            _store(m, s, s.peer, off + i, x[i], weak)
     elif s.op == "copy_out":
         for i in s.index:
-            x[i] = _load(m, s, s.rank, i)
+            x[i] = _load(m, s, s.rank, off + i)
     where = f" [{s.index.start}:{s.index.stop})" if s.index is not None else ""
     m.log.append(f"rank {s.rank} block {s.block}: {s.op}"
                  + (f" peer {s.peer}" if s.peer is not None else "") + where
-                 + (f" buffer half {off // len(x)}" if s.op in ("copy", "reduce") and off else ""))
+                 + (" (second half of the buffer)" if off else ""))
 
 
-def simulate(inputs: list[list[float]], kind: str = "one_shot", *, calls: int = 1,
+def simulate(inputs: list[list[float]], kind="one_shot", *, calls: int = 1,
              block: int = 4, max_blocks: int = 2, barrier: bool = True, seed: int = 0,
-             double_buffer: bool = True, release: bool = True,
+             double_buffer: bool = True, fixed_halves: bool = True, release: bool = True,
              next_inputs=None) -> tuple[Machine, list]:
-    """Run ``calls`` back-to-back all-reduces through the simulated kernel; return the results.
+    """Run ``calls`` back-to-back all-reduces through the simulated kernels; return the results.
 
     Each rank runs its calls in stream order (call ``c + 1`` starts once all of
     its blocks finished call ``c``), but ranks are not held together: a rank
@@ -119,15 +119,18 @@ def simulate(inputs: list[list[float]], kind: str = "one_shot", *, calls: int = 
     every step a seeded scheduler picks one ready block of any rank.
 
     Args:
-        inputs: one list of numbers per rank, all the same length.
-        kind: ``"one_shot"`` or ``"two_shot"``.
+        inputs: one list of numbers per rank, all the same length (call 0's inputs).
+        kind: ``"one_shot"`` or ``"two_shot"``, or a list with one of them per call.
         calls: back-to-back calls; call ``c`` starts from ``next_inputs(c, rank)``
-            (default: the original inputs again).
+            (default: the original inputs again), whose length may change from call
+            to call (as gradient buckets do).
         block, max_blocks: elements per tile and the grid-size cap.
         barrier: include the signal-pad barrier (``False`` shows the race).
         seed: scheduler seed.
-        double_buffer: one-shot alternates between two halves of its buffer
-            (``False``: one buffer, reused by every call, which races).
+        double_buffer: calls alternate between two halves of the workspace
+            (``False``: one region, reused by every call, which races for one-shot).
+        fixed_halves: the halves have a fixed size (``False``: half ``c % 2`` starts
+            at ``n`` elements, the size of the call, so calls of different sizes overlap).
         release: set flags with release semantics (``False``: relaxed, so a
             peer may see the flag before the stores it was meant to announce).
         next_inputs: ``fn(call, rank) -> list`` for the inputs of each call.
@@ -138,21 +141,25 @@ def simulate(inputs: list[list[float]], kind: str = "one_shot", *, calls: int = 
     Raises:
         RuntimeError: no block can move (a deadlock).
     """
-    if kind not in ("one_shot", "two_shot"):
-        raise ValueError(f"kind must be 'one_shot' or 'two_shot', got {kind!r}.")
-    world, n = len(inputs), len(inputs[0])
-    if any(len(x) != n for x in inputs):
-        raise ValueError("every rank must pass the same number of elements.")
+    kinds = [kind] * calls if isinstance(kind, str) else list(kind)
+    if len(kinds) != calls or any(k not in ("one_shot", "two_shot") for k in kinds):
+        raise ValueError(f"kind must be 'one_shot', 'two_shot' or a list of them per call, "
+                         f"got {kind!r}.")
+    world = len(inputs)
     next_inputs = next_inputs or (lambda c, r: list(inputs[r]))
-    halves = 2 if kind == "one_shot" and double_buffer else 1
+    sizes = [len(next_inputs(c, 0)) for c in range(calls)]
+    if any(len(next_inputs(c, r)) != sizes[c] for c in range(calls) for r in range(world)):
+        raise ValueError("every rank must pass the same number of elements.")
+    half_len = max(sizes)
 
     def plan_of(c):
-        if kind == "one_shot":
-            return one_shot_plan(n, world, block, max_blocks, barrier, (c % halves) * n)
-        return two_shot_plan(n, world, block, max_blocks, barrier)
+        n = sizes[c]
+        off = (half_offset(c, half_len) if fixed_halves else (c % 2) * n) if double_buffer else 0
+        make = one_shot_plan if kinds[c] == "one_shot" else two_shot_plan
+        return make(n, world, block, max_blocks, barrier, off)
 
     m = Machine([next_inputs(0, r) for r in range(world)],
-                [[float("nan")] * (n * halves) for _ in range(world)])
+                [[float("nan")] * (2 * half_len) for _ in range(world)])
     rng = random.Random(seed)
     call = [0] * world
     results: list[list] = [[None] * world for _ in range(calls)]
@@ -178,7 +185,7 @@ def simulate(inputs: list[list[float]], kind: str = "one_shot", *, calls: int = 
         if b < 0:  # one in-flight store of block -1 - b reaches memory
             drain(m, r, -1 - b, 1)
         else:
-            execute(m, queues[r][b].pop(0), kind, release)
+            execute(m, queues[r][b].pop(0), kinds[call[r]], release)
 
 
 def _queues(plan: dict, rank: int) -> dict[int, list[Step]]:

@@ -89,10 +89,12 @@ def one_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel,
 
     Ordering: after the barrier, every rank's copy of this block's tiles is in
     its buffer (release/acquire above). The buffer is not reused by the next
-    call: the host alternates between two halves (``buf`` points at this
-    call's half), and a rank writes a half again only two calls later, after
-    the barrier of the call in between, which no peer can pass before its
-    kernel of this call (and so every load here) has finished.
+    call: calls alternate between two fixed halves of the workspace (``buf``
+    points at this call's half, whatever the call's size), and a rank writes
+    a half again only two calls later, after the barrier of the call in
+    between, which no peer can pass before its kernel of this call (and so
+    every load here) has finished. Two-shot calls take part in the same
+    alternation, since they stage data before their first barrier.
     """
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
@@ -126,9 +128,10 @@ def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
     it; (4) makes every peer's pushed sums visible before (5) reads them. A
     location ``buffer[p], slice s`` is touched in a call only by rank ``p``
     (staging, copy-out) and rank ``s`` (one load in (3), then one store of the
-    same element by the same thread). The next call's staging by rank ``p``
-    follows its barrier (4), after which no peer touches its buffer again in
-    this call: one buffer serves every call.
+    same element by the same thread); after barrier (4) no peer touches rank
+    ``p``'s buffer again in this call. With ``COPY`` the host still alternates
+    between the workspace's two halves, as for one-shot, whose last call may
+    still be reading the half this call would stage into.
     """
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK

@@ -22,6 +22,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from dpcourse.comm.kernels.schedule import half_offset
+
 MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
                  "NVSHMEM_DISABLE_NVLS": "1"}
 MIN_BYTES = 1 << 20
@@ -59,7 +61,7 @@ class Workspace:
         pad_deltas: int64 tensor on the device, rank ``p``'s pad minus ours, in int32 slots.
         rank, world_size: this rank and the group's size.
         max_blocks: the most blocks a kernel may launch (flag slots ``block * world + peer``).
-        calls: one-shot calls so far (its buffer halves alternate with the parity).
+        calls: calls through this workspace so far (they alternate between its two halves).
     """
 
     def __init__(self, nbytes: int, group, device: torch.device):
@@ -89,6 +91,20 @@ class Workspace:
             self._buf_deltas[element_size] = _offsets(self.handle.buffer_ptrs, self.rank,
                                                       element_size, self._device)
         return self._buf_deltas[element_size]
+
+    def next_half(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Return the first ``numel`` elements of this call's half of the buffer; count the call.
+
+        Every rank makes the same calls, so every rank picks the same half.
+        Why two fixed halves: :func:`~dpcourse.comm.kernels.schedule.half_offset`.
+        """
+        half_len = (self.nbytes // 2) // dtype.itemsize
+        if numel > half_len:
+            raise ValueError(f"{numel} elements do not fit in half of a {self.nbytes}-byte "
+                             "workspace: ask get_workspace for twice the bytes of a call.")
+        view = self.view(dtype, numel, offset=half_offset(self.calls, half_len))
+        self.calls += 1
+        return view
 
     def view(self, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
         """Return ``numel`` elements of the local buffer as ``dtype``, starting at element ``offset``."""
