@@ -101,3 +101,30 @@ def fsdp_timeline(*, config: str = "gpt2_small", batch_size: int = 8, iters: int
             + [[k, s, e] for k, s, e in kernels if k != "compute"],
         }
     return out
+
+
+LANES = ("compute", "all_gather", "reduce_scatter")
+
+
+def plot_kernels(kernels, ax=None, title: str = ""):
+    """Draw one rank's recorded kernels: a lane each for compute, all-gathers and reduce-scatters.
+
+    Args:
+        kernels: ``[kind, start_ms, end_ms]`` triples (the ``"kernels"`` of :func:`fsdp_timeline`).
+        ax: matplotlib axes (default: a new figure).
+        title: the axes' title.
+
+    Returns:
+        The axes.
+    """
+    from dpcourse.plots import figure_axes
+
+    fig, ax = figure_axes(ax, figsize=(10, 2.2))
+    colors = {"compute": "tab:gray", "all_gather": "tab:blue", "reduce_scatter": "tab:orange"}
+    for lane, kind in enumerate(LANES):
+        bars = [(s, e - s) for k, s, e in kernels if k == kind]
+        ax.broken_barh(bars, (lane - 0.4, 0.8), color=colors[kind])
+    ax.set_yticks(range(len(LANES)), LANES)
+    ax.set_xlabel("ms since the step's first kernel")
+    ax.set_title(title)
+    return ax

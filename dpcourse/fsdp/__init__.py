@@ -1,7 +1,9 @@
 """Fully sharded data parallelism (ZeRO stage 3): parameters, gradients and state in 1/N per rank."""
 
 from dpcourse.fsdp.flat import FlatShard
+from dpcourse.fsdp.traffic import fsdp_wire_bytes
 from dpcourse.fsdp.unit import FSDPUnit
 from dpcourse.fsdp.wrapper import FullyShardedDataParallel, default_units
 
-__all__ = ["FullyShardedDataParallel", "FlatShard", "FSDPUnit", "default_units"]
+__all__ = ["FullyShardedDataParallel", "FlatShard", "FSDPUnit", "default_units",
+           "fsdp_wire_bytes"]
