@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+MiB = 2**20  # a mebibyte; torch DDP's bucket_cap_mb counts these
+
 
 def format_bytes(n: float) -> str:
     """Format a byte count with a binary unit (``"4.0 MiB"``)."""

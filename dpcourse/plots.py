@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from dpcourse.formatting import format_bytes, format_seconds
+from dpcourse.costmodel.alphabeta import bus_factor
+from dpcourse.formatting import MiB, format_bytes, format_seconds
 
 TIME_KEYS = ("seconds", "median_s", "time_s", "median", "time")
 
@@ -123,7 +124,7 @@ def plot_bandwidth(rows: list[dict], *, world_size: int | None = None, metric: s
                 n = r.get("world_size", world_size)
                 if metric == "busbw" and factor is None and n is None:
                     raise ValueError("bus bandwidth needs world_size= (or rows with 'world_size').")
-                f = 1.0 if metric == "algbw" else (factor if factor is not None else 2 * (n - 1) / n)
+                f = 1.0 if metric == "algbw" else (factor if factor is not None else bus_factor(n))
                 y = r["nbytes"] / t * f / 1e9 if t > 0 else float("nan")
             xs.append(r["nbytes"])
             ys.append(y)
@@ -246,7 +247,7 @@ def plot_memory_per_rank(rows: list[dict], *, parts=("weights", "grads", "optimi
     labels = [f"rank {r.get('rank', i)}" for i, r in enumerate(rows)]
     bottom = [0.0] * len(rows)
     for part in parts:
-        vals = [r.get(part, 0) / 2**20 for r in rows]
+        vals = [r.get(part, 0) / MiB for r in rows]
         ax.bar(labels, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("MiB held by the rank")

@@ -210,7 +210,7 @@ def test_nccl_launch_after_cuda_is_initialised_here():
 
 def test_worker_entry_point_imports_nothing_heavy():
     """A rank's only heavy import is torch (when it joins the group): starting is ~1 s, not more."""
-    code = ("import sys, dpcourse._worker; "
+    code = ("import sys, dpcourse.launch.worker; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'torch', 'numpy', 'matplotlib', 'ipywidgets', 'IPython', 'cloudpickle'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -53,7 +53,7 @@ def collectives_worker(world_size: int) -> dict:
     res["errors"] = []
     for call in (lambda: naive_all_reduce(torch.ones(2), op=dist.ReduceOp.MAX),
                  lambda: ring_all_reduce(torch.ones(2), op=dist.ReduceOp.MAX),
-                 lambda: ring_all_reduce(torch.ones(2), num_pipeline_chunks=0),
+                 lambda: ring_all_reduce(torch.ones(2).to_sparse()),
                  lambda: ring_all_reduce([1.0, 2.0]),
                  lambda: ring_all_reduce(torch.ones(2), dist.ReduceOp.SUM)):
         try:  # raised before any message is sent, so every rank may raise alone
@@ -128,7 +128,7 @@ def test_bad_arguments_raise_clear_errors(results):
     _, ranks = results
     msgs = ranks[0]["errors"]
     assert "SUM" in msgs[0] and "SUM" in msgs[1]
-    assert "num_pipeline_chunks" in msgs[2]
+    assert "to_dense()" in msgs[2]
     assert "torch.Tensor" in msgs[3]
     assert "op=... by keyword" in msgs[4]
 

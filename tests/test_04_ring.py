@@ -17,16 +17,13 @@ from dpcourse.comm import (CommTrace, chunk_bounds, ring_all_gather, ring_all_re
                            ring_reduce_scatter, ring_step_chunks)
 
 WORLD_SIZES = (1, 2, 3, 4)
-PIPELINES = (1, 2, 3)  # 1: the plain loop; 2, 3: the pipelined path (3: uneven slices)
 SUBGROUP = {3: [0, 2], 4: [1, 2, 3]}
 
 
 def ring_worker(world_size: int) -> dict:
     rank = dist.get_rank()
     res = {}
-    for k in PIPELINES[:2]:
-        res[f"all_reduce/{k}"] = against_library(
-            lambda t, k=k: ring_all_reduce(t, num_pipeline_chunks=k), world_size)
+    res["all_reduce"] = against_library(ring_all_reduce, world_size)
 
     # Shapes: a matrix, a 0-d tensor, and a transposed (non-contiguous) view
     # whose base tensor must see the result.
@@ -35,37 +32,34 @@ def ring_worker(world_size: int) -> dict:
     for x in (torch.randn(5, 7), torch.randn(()), torch.randn(7, 5).t()):
         expected = x.clone()
         dist.all_reduce(expected)
-        for k in (1, 2):
-            got = x.clone() if x.is_contiguous() else x.t().clone().t()
-            assert got.is_contiguous() == x.is_contiguous()
-            ring_all_reduce(got, num_pipeline_chunks=k)
-            shapes.append((tuple(x.shape), got, expected))
+        got = x.clone() if x.is_contiguous() else x.t().clone().t()
+        assert got.is_contiguous() == x.is_contiguous()
+        ring_all_reduce(got)
+        shapes.append((tuple(x.shape), got, expected))
     res["shapes"] = shapes
 
     # The two halves on their own.
     halves = []
-    for k in PIPELINES:
-        for n in lengths(world_size):
-            x = rank_data(rank, n, torch.float32, seed=7 + n, integer=True)
-            expected = x.clone()
-            dist.all_reduce(expected)
-            scattered = x.clone()
-            ring_reduce_scatter(scattered, num_pipeline_chunks=k)
-            a, b = chunk_bounds(n, world_size, rank)
-            gathered = torch.full((n,), float("nan"))
-            gathered[a:b] = torch.arange(a, b, dtype=torch.float32) + 1000 * rank
-            ring_all_gather(gathered, num_pipeline_chunks=k)
-            halves.append((k, n, scattered, expected, gathered))
+    for n in lengths(world_size):
+        x = rank_data(rank, n, torch.float32, seed=7 + n, integer=True)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        scattered = x.clone()
+        ring_reduce_scatter(scattered)
+        a, b = chunk_bounds(n, world_size, rank)
+        gathered = torch.full((n,), float("nan"))
+        gathered[a:b] = torch.arange(a, b, dtype=torch.float32) + 1000 * rank
+        ring_all_gather(gathered)
+        halves.append((n, scattered, expected, gathered))
     res["halves"] = halves
 
     # Structure: only point-to-point, to the right neighbour, 2(N-1)/N of the bytes.
     traces = {}
-    for k in PIPELINES:
-        for n in (BIG, max(world_size - 1, 1)):
-            t = torch.ones(n)
-            with CommTrace() as tr:
-                ring_all_reduce(t, num_pipeline_chunks=k)
-            traces[(k, n)] = dict(ops=tr.collective_ops(), sent=tr.bytes_sent(),
+    for n in (BIG, max(world_size - 1, 1)):
+        t = torch.ones(n)
+        with CommTrace() as tr:
+            ring_all_reduce(t)
+        traces[n] = dict(ops=tr.collective_ops(), sent=tr.bytes_sent(),
                                   received=tr.bytes_received(), isend=tr.count("isend"),
                                   send_peers={e.peer for e in tr.of("isend")},
                                   recv_peers={e.peer for e in tr.of("irecv")})
@@ -76,7 +70,7 @@ def ring_worker(world_size: int) -> dict:
     wrong = 0
     for i in range(200 if world_size < 4 else 100):
         t = torch.arange(37, dtype=torch.float32) + rank + i
-        ring_all_reduce(t, num_pipeline_chunks=(1, 3, "auto")[i % 3])
+        ring_all_reduce(t)
         want = world_size * (torch.arange(37, dtype=torch.float32) + i) + sum(range(world_size))
         wrong += int(not torch.equal(t, want))
     res["repeat_wrong"] = wrong
@@ -89,7 +83,7 @@ def ring_worker(world_size: int) -> dict:
         group = dist.new_group(members)
         if rank in members:
             res["subgroup"] = against_library(
-                lambda t: ring_all_reduce(t, group=group, num_pipeline_chunks=2),
+                lambda t: ring_all_reduce(t, group=group),
                 len(members), group=group)
         else:
             try:
@@ -109,8 +103,7 @@ def ring_results(request):
 def test_all_reduce_matches_library(ring_results):
     world_size, ranks = ring_results
     for rank, res in enumerate(ranks):
-        for key in [f"all_reduce/{k}" for k in PIPELINES[:2]]:
-            assert_cases(res[key], world_size, f"rank {rank} {key}")
+        assert_cases(res["all_reduce"], world_size, f"rank {rank}")
 
 
 def test_shapes_and_non_contiguous(ring_results):
@@ -124,18 +117,18 @@ def test_shapes_and_non_contiguous(ring_results):
 def test_reduce_scatter_owns_chunk_rank_and_all_gather_reassembles(ring_results):
     world_size, ranks = ring_results
     for rank, res in enumerate(ranks):
-        for k, n, scattered, expected, gathered in res["halves"]:
+        for n, scattered, expected, gathered in res["halves"]:
             a, b = chunk_bounds(n, world_size, rank)
-            assert torch.equal(scattered[a:b], expected[a:b]), (rank, k, n)
+            assert torch.equal(scattered[a:b], expected[a:b]), (rank, n)
             owners = torch.cat([torch.full((e - s,), 1000.0 * r) for r in range(world_size)
                                 for s, e in [chunk_bounds(n, world_size, r)]])
-            assert torch.equal(gathered, torch.arange(n, dtype=torch.float32) + owners), (k, n)
+            assert torch.equal(gathered, torch.arange(n, dtype=torch.float32) + owners), n
 
 
 def test_trace_is_point_to_point_with_2_n_minus_1_over_n_bytes(ring_results):
     world_size, ranks = ring_results
     for rank, res in enumerate(ranks):
-        for (k, n), tr in res["traces"].items():
+        for n, tr in res["traces"].items():
             assert tr["ops"] == set(), tr  # no all_reduce, broadcast, ...
             size = [e - s for s, e in (chunk_bounds(n, world_size, c) for c in range(world_size))]
             if world_size == 1:
@@ -143,13 +136,13 @@ def test_trace_is_point_to_point_with_2_n_minus_1_over_n_bytes(ring_results):
                 continue
             # reduce-scatter sends every chunk but our own, all-gather every chunk but the next.
             want = 4 * ((n - size[rank]) + (n - size[(rank + 1) % world_size]))
-            assert tr["sent"] == want, (rank, k, n, tr)
+            assert tr["sent"] == want, (rank, n, tr)
             # ... and receives every chunk but the left one's, then every chunk but our own.
             assert tr["received"] == 4 * ((n - size[(rank - 1) % world_size]) + (n - size[rank]))
             assert tr["send_peers"] <= {(rank + 1) % world_size}
             assert tr["recv_peers"] <= {(rank - 1) % world_size}
             if n == BIG:
-                assert tr["isend"] == 2 * (world_size - 1) * k
+                assert tr["isend"] == 2 * (world_size - 1)
 
 
 def test_repeated_calls_stay_correct(ring_results):
@@ -204,20 +197,19 @@ def nccl_ring_worker() -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank)
     cases = []
-    for k in (1, 2, 3, "auto"):
-        for n in [1] + lengths(world_size) + [(64 << 20) // 4]:
-            for dtype in DTYPES:
-                x = rank_data(rank, n, dtype, seed=n, integer=True).to(device)
-                expected, got = x.clone(), x.clone()
-                ring_all_reduce(got, num_pipeline_chunks=k)  # the very first call is the ring's
-                dist.all_reduce(expected)
-                # Integer-valued data sum exactly: compare on the GPU, return only the verdict.
-                cases.append((k, n, str(dtype), torch.equal(got, expected)))
+    for n in [1] + lengths(world_size) + [(64 << 20) // 4]:
+        for dtype in DTYPES:
+            x = rank_data(rank, n, dtype, seed=n, integer=True).to(device)
+            expected, got = x.clone(), x.clone()
+            ring_all_reduce(got)  # the very first call is the ring's
+            dist.all_reduce(expected)
+            # Integer-valued data sum exactly: compare on the GPU, return only the verdict.
+            cases.append((n, str(dtype), torch.equal(got, expected)))
     wrong = 0
     t = torch.ones(1000, device=device)
     for i in range(1000):
         t.fill_(rank + i)
-        ring_all_reduce(t, num_pipeline_chunks=(1, 2)[i % 2])
+        ring_all_reduce(t)
         wrong += int(not torch.all(t == world_size * i + sum(range(world_size))).item())
     return {"cases": cases, "repeat_wrong": wrong}
 

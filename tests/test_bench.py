@@ -13,7 +13,7 @@ from dpcourse.bench import allreduce_sweep, time_interleaved
 from dpcourse.bench.cli import parse_size, size_range, slow_link
 from dpcourse.cli import main
 
-IMPLS = ("library", "ring", "ring_pipelined", "naive")
+IMPLS = ("library", "ring", "naive")
 
 
 def sweep_worker() -> dict:
@@ -47,7 +47,7 @@ def test_sweep_rows_are_complete_and_consistent(sweep):
         assert r["numel"] * 4 == r["nbytes"] and r["dtype"] == "float32"
         assert 0 < r["min_s"] <= r["p25_s"] <= r["median_s"] <= r["p75_s"] <= r["max_s"]
         assert r["algbw"] == pytest.approx(r["nbytes"] / r["median_s"])
-        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (3 - 1) / 3)
+        assert r["busbw"] == pytest.approx(r["algbw"] * 4 / 3)  # 2 (N - 1) / N with N = 3
         assert r["latency_us"] == pytest.approx(r["median_s"] * 1e6)
     for r in named:
         library = next(x for x in named if x["impl"] == "library" and x["nbytes"] == r["nbytes"])
@@ -65,14 +65,14 @@ def test_cli_allreduce_writes_json_and_plot(tmp_path, capsys):
     assert main(["bench", "allreduce", "--world-size", "2", "--backend", "gloo",
                  "--sizes", "4K,16K", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "busbw GB/s" in out and "ring_pipelined" in out
+    assert "busbw GB/s" in out and "ring" in out
     files = sorted(os.listdir(tmp_path))
     assert [os.path.splitext(f)[1] for f in files] == [".json", ".png"]
     data = json.loads((tmp_path / files[0]).read_text())
     assert data["benchmark"] == "allreduce" and data["settings"]["sizes"] == [4096, 16384]
     assert {"date", "torch", "backend", "world_size", "cpu"} <= set(data["environment"])
     assert sorted((r["impl"], r["nbytes"]) for r in data["rows"]) == sorted(
-        (i, n) for i in ("library", "ring", "ring_pipelined") for n in (4096, 16384))
+        (i, n) for i in ("library", "ring") for n in (4096, 16384))
 
 
 def test_cli_ddp_on_cpu_with_tiny_model(tmp_path, capsys):
@@ -111,7 +111,7 @@ def test_sizes_and_slow_link_env(monkeypatch):
 @pytest.mark.gpu(2)
 def test_benchmarks_on_nccl(tmp_path):
     assert main(["bench", "allreduce", "--world-size", "2", "--sizes", "4K,16M", "--iters", "3",
-                 "--impls", "library,ring,ring_pipelined,ring_pipelined:4,naive",
+                 "--impls", "library,ring,naive",
                  "--out", str(tmp_path), "--no-plot"]) == 0
     assert main(["bench", "ddp", "--world-size", "2", "--config", "tiny", "--iters", "2",
                  "--sweep-caps", "0", "--out", str(tmp_path), "--no-plot"]) == 0

@@ -85,9 +85,9 @@ def test_seven_billion_bf16_on_8_ranks_matches_hand_computation():
 
 
 def test_bucket_sizes():
-    assert cm.bucket_sizes(60 * cm.step.MIB, 25).tolist() == [25 * cm.step.MIB, 25 * cm.step.MIB, 10 * cm.step.MIB]
+    assert cm.bucket_sizes(60 * cm.step.MiB, 25).tolist() == [25 * cm.step.MiB, 25 * cm.step.MiB, 10 * cm.step.MiB]
     assert cm.bucket_sizes([10, 20, 30, 5], 0).tolist() == [10, 20, 30, 5]
-    cap = 25 / cm.step.MIB  # 25 bytes
+    cap = 25 / cm.step.MiB  # 25 bytes
     assert cm.bucket_sizes([10, 20, 30, 5], cap).tolist() == [30, 30, 5]
     with pytest.raises(ValueError, match="per-parameter"):
         cm.bucket_sizes(100, 0)
@@ -121,7 +121,7 @@ def test_overlap_with_one_bucket_hides_nothing_and_free_comm_costs_nothing():
     # Comm-bound: overlap approaches compute-free comm + the part before the first bucket is ready.
     slow = cm.AlphaBeta(0.0, 1e-6)
     p = cm.predict_step_time(100e6, 0.3, slow, 2, bucket_cap_mb=1)
-    assert p.step_s == pytest.approx(0.1 + 0.2 * cm.step.MIB / 100e6 + p.comm_s, rel=1e-6)
+    assert p.step_s == pytest.approx(0.1 + 0.2 * cm.step.MiB / 100e6 + p.comm_s, rel=1e-6)
 
 
 def test_scaling_curve_efficiency_falls_with_world_size():

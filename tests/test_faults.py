@@ -19,8 +19,8 @@ from proc_helpers import live_children, wait_gone
 
 import dpcourse
 from dpcourse import RankDiedError, RankError, RankTimeoutError
-from dpcourse._procs import Launch
-from dpcourse.launch import _loopback_store, _serialize_call
+from dpcourse.launch.procs import Launch
+from dpcourse.launch.launcher import _loopback_store, _serialize_call
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
@@ -46,7 +46,7 @@ def test_rank_raises():
     msg = str(err)
     assert msg.startswith("rank 1 raised ValueError: bad batch on rank 1")
     assert 'raise ValueError("bad batch on rank 1")' in msg and "in raise_on_rank_1" in msg
-    assert "_worker.py" not in msg  # the traceback starts at the learner's function
+    assert "worker.py" not in msg  # the traceback starts at the learner's function
     # The cause is reported, not the peer's echo of it.
     assert "onnection" not in msg and "rank 0" not in msg
 
@@ -324,7 +324,7 @@ def test_soak_up_to_100_launches_leave_nothing_behind(monkeypatch, record_proper
 
     import psutil
 
-    import dpcourse._procs
+    import dpcourse.launch.procs
 
     workdirs, real_mkdtemp = [], tempfile.mkdtemp
 
@@ -332,7 +332,7 @@ def test_soak_up_to_100_launches_leave_nothing_behind(monkeypatch, record_proper
         workdirs.append(real_mkdtemp(*args, **kwargs))
         return workdirs[-1]
 
-    monkeypatch.setattr(dpcourse._procs.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(dpcourse.launch.procs.tempfile, "mkdtemp", mkdtemp)
     me = psutil.Process()
     dpcourse.run(collectives_then_tensors, 0, world_size=2, backend="gloo")  # warm imports
     fds, threads = me.num_fds(), threading.active_count()

@@ -37,7 +37,6 @@ def collectives_on_nccl() -> list:
             ref = x.clone()
             dist.all_reduce(ref)
             for name, fn in (("ring", ring_all_reduce),
-                             ("ring/pipelined", lambda t: ring_all_reduce(t, num_pipeline_chunks=4)),
                              ("naive", naive_all_reduce)):
                 got = x.clone()
                 with CommTrace() as trace:

@@ -13,6 +13,7 @@ _EXPORTS = {
     "bus_factor": "dpcourse.bench.allreduce",
     "ddp_step_times": "dpcourse.bench.ddp",
     "ddp_bucket_sweep": "dpcourse.bench.ddp",
+    "ddp_step_sweep": "dpcourse.bench.steps",
     "profile_ddp_steps": "dpcourse.bench.profile",
     "time_interleaved": "dpcourse.bench.timing",
     "summarize": "dpcourse.bench.timing",

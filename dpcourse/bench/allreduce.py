@@ -7,46 +7,31 @@ import torch.distributed as dist
 
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
 from dpcourse.comm import naive_all_reduce, ring_all_reduce
+from dpcourse.costmodel.alphabeta import bus_factor
 from dpcourse.device import rank_device
 
 
-def allreduce_impls(num_pipeline_chunks="auto") -> dict:
+def allreduce_impls() -> dict:
     """Return the named all-reduce implementations a sweep can compare.
-
-    Args:
-        num_pipeline_chunks: slices per chunk for ``"ring_pipelined"`` (an int >= 2 or ``"auto"``).
 
     Returns:
         ``{name: fn(tensor, group=...)}``: ``"library"`` (``dist.all_reduce``: NCCL or
-        gloo's own), ``"ring"`` (the plain ring the lessons build), ``"ring_pipelined"``
-        and ``"naive"`` (through rank 0).
+        gloo's own), ``"ring"`` (the ring the lessons build) and ``"naive"`` (through rank 0).
     """
     return {
         # A lambda, so dist.all_reduce is looked up at call time (CommTrace can see it).
         "library": lambda t, group=None: dist.all_reduce(t, group=group),
         "ring": ring_all_reduce,
-        "ring_pipelined": lambda t, group=None: ring_all_reduce(
-            t, group=group, num_pipeline_chunks=num_pipeline_chunks),
         "naive": naive_all_reduce,
     }
 
 
-def bus_factor(world_size: int) -> float:
-    """Return ``2 (N - 1) / N``: bytes each rank sends per byte of all-reduced message (ring)."""
-    return 2 * (world_size - 1) / world_size
-
-
-def _resolve(impls, num_pipeline_chunks) -> dict:
-    known = allreduce_impls(num_pipeline_chunks)
+def _resolve(impls) -> dict:
+    known = allreduce_impls()
     if isinstance(impls, dict):
         return dict(impls)
     out = {}
     for name in impls:
-        if name.startswith("ring_pipelined:"):  # e.g. "ring_pipelined:4" fixes the slice count
-            chunks = name.split(":", 1)[1]
-            out[name] = (lambda t, group=None, k=int(chunks): ring_all_reduce(
-                t, group=group, num_pipeline_chunks=k))
-            continue
         if name not in known:
             raise ValueError(f"unknown all-reduce impl {name!r}: choose from {sorted(known)} "
                              "or pass a dict {name: fn}.")
@@ -55,7 +40,7 @@ def _resolve(impls, num_pipeline_chunks) -> dict:
 
 
 def allreduce_sweep(sizes, impls=("ring", "library"), *, warmup: int = 3, iters: int = 10,
-                    dtype=torch.float32, group=None, num_pipeline_chunks="auto") -> list[dict]:
+                    dtype=torch.float32, group=None) -> list[dict]:
     """Time all-reduce implementations over message sizes; call on every rank of ``group``.
 
     For each size, every implementation gets ``warmup`` untimed calls, then
@@ -66,13 +51,11 @@ def allreduce_sweep(sizes, impls=("ring", "library"), *, warmup: int = 3, iters:
 
     Args:
         sizes: message sizes in bytes (rounded down to whole elements, at least one).
-        impls: names from :func:`allreduce_impls` (``"ring_pipelined:K"`` fixes K slices
-            per chunk), or a dict ``{name: fn(tensor, group=...)}`` (e.g. your own ring).
+        impls: names from :func:`allreduce_impls`, or a dict ``{name: fn(tensor, group=...)}`` (e.g. your own ring).
         warmup: untimed calls per implementation and size.
         iters: timed trials per implementation and size.
         dtype: element type of the message.
         group: the process group; ``None`` means the default group.
-        num_pipeline_chunks: passed to ``"ring_pipelined"``.
 
     Returns:
         One dict per (size, impl), identical on every rank: ``impl``, ``nbytes``,
@@ -81,7 +64,7 @@ def allreduce_sweep(sizes, impls=("ring", "library"), *, warmup: int = 3, iters:
         median in microseconds), ``algbw``, ``busbw`` and, when ``"library"`` is among
         the impls, ``vs_library`` (library median / this median: the bandwidth ratio).
     """
-    fns = _resolve(impls, num_pipeline_chunks)
+    fns = _resolve(impls)
     world_size = dist.get_world_size(group)
     device = rank_device(group)
     element = torch.empty((), dtype=dtype).element_size()

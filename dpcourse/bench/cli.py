@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 
-SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+from dpcourse.launch.env import slow_link  # also imported from here by notebooks
+
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -35,26 +35,6 @@ def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:
     while sizes[-1] * factor <= hi:
         sizes.append(sizes[-1] * factor)
     return sizes
-
-
-@contextlib.contextmanager
-def slow_link(enabled: bool):
-    """Route NCCL through sockets (no NVLink / PCIe peer access, no shared memory) inside the block.
-
-    The ranks are started inside the block and inherit the environment, so
-    NCCL reads these variables when it starts; they are restored afterwards.
-    """
-    saved = {k: os.environ.get(k) for k in SLOW_LINK_ENV}
-    if enabled:
-        os.environ.update(SLOW_LINK_ENV)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -85,13 +65,10 @@ def add_parser(sub) -> None:
     p.add_argument("--min-size", type=parse_size, default=4 * 2**10, help="default 4K")
     p.add_argument("--max-size", type=parse_size, default=None,
                    help="default 1G on GPU, 64M on CPU")
-    p.add_argument("--impls", type=parse_list(str), default=["library", "ring", "ring_pipelined"],
-                   help="comma-separated: library, ring, ring_pipelined, ring_pipelined:K "
-                   "(K slices per chunk), naive")
+    p.add_argument("--impls", type=parse_list(str), default=["library", "ring"],
+                   help="comma-separated: library, ring, naive")
     p.add_argument("--dtype", default="float32",
                    choices=["float32", "float16", "bfloat16", "float64"])
-    p.add_argument("--num-pipeline-chunks", default="auto",
-                   help="slices per chunk for ring_pipelined: an int >= 2 or 'auto'")
     p.set_defaults(func=run_allreduce)
 
     p = kinds.add_parser("ddp", help="step time of the data-parallel wrappers vs torch DDP")
@@ -136,16 +113,13 @@ def run_allreduce(args: argparse.Namespace) -> int:
     backend, world_size = dpcourse.resolve_backend(args.backend, args.world_size)
     max_size = args.max_size or (2**30 if backend == "nccl" else 64 * 2**20)
     sizes = args.sizes or size_range(args.min_size, max_size)
-    chunks = args.num_pipeline_chunks
-    chunks = chunks if chunks == "auto" else int(chunks)
     settings = dict(sizes=sizes, impls=args.impls, iters=args.iters or 20, warmup=args.warmup,
-                    dtype=args.dtype, num_pipeline_chunks=chunks, slow_link=args.slow_link)
+                    dtype=args.dtype, slow_link=args.slow_link)
     with slow_link(args.slow_link):
         env = environment(backend, world_size)
         rows = dpcourse.run(allreduce_sweep, sizes, args.impls, world_size=world_size,
                             backend=backend, timeout=args.timeout, warmup=args.warmup,
-                            iters=settings["iters"], dtype=getattr(torch, args.dtype),
-                            num_pipeline_chunks=chunks)[0]
+                            iters=settings["iters"], dtype=getattr(torch, args.dtype))[0]
     table = [{"impl": r["impl"], "size": format_bytes(r["nbytes"]),
               "median": format_seconds(r["median_s"]),
               "IQR": f"{format_seconds(r['p25_s'])}..{format_seconds(r['p75_s'])}",

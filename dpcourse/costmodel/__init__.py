@@ -9,6 +9,7 @@
 
 from dpcourse.costmodel.alphabeta import (
     AlphaBeta,
+    bus_factor,
     dtype_bytes,
     fit_alpha_beta,
     latency_terms,
@@ -26,7 +27,7 @@ from dpcourse.costmodel.step import StepPrediction, bucket_sizes, predict_step_t
 
 __all__ = [
     "AlphaBeta", "fit_alpha_beta", "prediction_errors", "sweep_arrays", "dtype_bytes",
-    "latency_terms", "ring_bytes_per_rank", "StepPrediction", "bucket_sizes",
+    "latency_terms", "bus_factor", "ring_bytes_per_rank", "StepPrediction", "bucket_sizes",
     "predict_step_time", "scaling_curve", "memory_per_rank", "allreduce_traffic",
     "DataParallelVerdict", "data_parallel_limits",
 ]

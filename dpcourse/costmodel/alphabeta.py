@@ -55,6 +55,22 @@ def dtype_bytes(dtype) -> int:
                      "a torch.dtype or a number of bytes.")
 
 
+def bus_factor(world_size: int) -> float:
+    """Return ``2 (N - 1) / N``: bytes each rank sends per byte all-reduced with a ring.
+
+    Multiplying a measured ``nbytes / time`` (the algorithm bandwidth) by it gives the
+    bus bandwidth, the rate each rank's link carries, comparable across world sizes.
+
+    Args:
+        world_size: number of ranks ``N``.
+
+    Returns:
+        ``2 (N - 1) / N`` (0 for a single rank).
+    """
+    _check_world_size(world_size)
+    return 2.0 * (world_size - 1) / world_size
+
+
 def ring_bytes_per_rank(nbytes: float, world_size: int) -> float:
     """Return the bytes each rank sends (and receives) in one ring all-reduce.
 
@@ -65,8 +81,7 @@ def ring_bytes_per_rank(nbytes: float, world_size: int) -> float:
     Returns:
         ``2 (N - 1) / N * nbytes`` (0 for a single rank).
     """
-    _check_world_size(world_size)
-    return 2.0 * (world_size - 1) / world_size * nbytes
+    return bus_factor(world_size) * nbytes
 
 
 def latency_terms(world_size: int, latency: str = "ring") -> int:
@@ -134,10 +149,6 @@ class AlphaBeta:
         sent = ring_bytes_per_rank(np.asarray(nbytes, dtype=float), world_size)
         out = k * self.alpha + sent * self.beta
         return float(out) if np.ndim(out) == 0 else out
-
-    def bus_bandwidth(self, nbytes: float, world_size: int) -> float:
-        """Predict the achieved bus bandwidth ``2 (N-1)/N * n / time`` in bytes/s for one size."""
-        return ring_bytes_per_rank(nbytes, world_size) / self.allreduce_time(nbytes, world_size)
 
 
 def _field(row, *names):

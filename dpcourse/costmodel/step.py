@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpcourse.costmodel.alphabeta import AlphaBeta
+from dpcourse.formatting import MiB
 
-MIB = 1024 * 1024  # DDP's bucket_cap_mb counts MiB
 
 
 def bucket_sizes(grad_bytes, bucket_cap_mb: float = 25.0) -> np.ndarray:
@@ -26,7 +26,7 @@ def bucket_sizes(grad_bytes, bucket_cap_mb: float = 25.0) -> np.ndarray:
     """
     if bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb!r}.")
-    cap = bucket_cap_mb * MIB
+    cap = bucket_cap_mb * MiB
     if np.ndim(grad_bytes) == 0:
         total = float(grad_bytes)
         if total < 0:
@@ -36,15 +36,14 @@ def bucket_sizes(grad_bytes, bucket_cap_mb: float = 25.0) -> np.ndarray:
                              "sizes: pass grad_bytes as a list.")
         full, rest = divmod(total, cap)
         return np.concatenate([np.full(int(full), cap), [rest] if rest > 0 else []])
-    buckets, current = [], 0.0
-    for size in grad_bytes:
-        current += float(size)
-        if current >= cap:  # DDP closes a bucket as soon as it holds at least the cap
-            buckets.append(current)
-            current = 0.0
-    if current > 0:
-        buckets.append(current)
-    return np.array(buckets, dtype=float)
+    from dpcourse.ddp.buckets import assign_buckets  # the one bucket rule (imports torch)
+
+    sizes = [float(b) for b in grad_bytes]
+    # assign_buckets takes sizes in registration order, the reverse of backward's.
+    registered = [max(0, round(b)) for b in reversed(sizes)]
+    order = assign_buckets(registered, bucket_cap_mb)
+    return np.array([sum(sizes[len(sizes) - 1 - i] for i in bucket) for bucket in order],
+                    dtype=float)
 
 
 @dataclass(frozen=True)

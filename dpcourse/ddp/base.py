@@ -1,4 +1,4 @@
-"""What every data-parallel wrapper shares: checks, the start-up broadcast, and the backward hooks.
+"""What every data-parallel wrapper shares: the start-up broadcast, the backward hooks, no_sync.
 
 A wrapper must be a drop-in for ``torch.nn.parallel.DistributedDataParallel``:
 the training loop calls ``loss.backward()`` and ``optimizer.step()`` and nothing
@@ -15,8 +15,11 @@ the same one torch's reducer relies on:
    whole backward graph has been executed, before ``loss.backward()`` returns;
 3. that callback calls :meth:`finish_gradient_synchronization`, which checks
    that every parameter got a gradient and averages the gradients. Subclasses
-   decide how: one tensor at a time, in buckets, or with communication already
-   started from the hooks while backward was still running.
+   decide how (:meth:`DataParallelBase._reduce`): one tensor at a time, in
+   buckets, or waiting for communication already started from the hooks.
+
+The checks (wrong model, backward without forward, missing gradients, a step on
+unsynchronised gradients) live in :mod:`dpcourse.ddp.guards`.
 
 Reference: ``torch/nn/parallel/distributed.py`` and the "DDP internal design"
 notes (https://pytorch.org/docs/stable/notes/ddp.html).
@@ -26,70 +29,24 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dpcourse.ddp.step_guard import install_step_guard
+from dpcourse.comm.p2p import AllReduce
+from dpcourse.ddp import guards
 
 
-def _group_src(group) -> int:
+def _group_src(group: dist.ProcessGroup | None) -> int:
     """Global rank of the group's rank 0 (``broadcast`` takes a global rank as ``src``)."""
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def check_wrappable(module, group, all_reduce) -> list[tuple[str, nn.Parameter]]:
-    """Validate a wrapper's arguments; return the trainable ``(name, parameter)`` pairs.
-
-    Args:
-        module: the model to wrap.
-        group: process group (``None``: the default group).
-        all_reduce: ``None`` or a function ``fn(tensor, group=None)`` summing in place.
-
-    Returns:
-        Trainable parameters in registration order, each once (tied weights appear once).
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"expected a torch.nn.Module to wrap, got {type(module).__name__}.")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "torch.distributed has no process group yet. Run this code inside "
-            "dpcourse.run(fn) (which initialises one per rank), or under torchrun after "
-            "torch.distributed.init_process_group(backend)."
-        )
-    if all_reduce is not None and not callable(all_reduce):
-        raise TypeError(
-            f"all_reduce must be a function like torch.distributed.all_reduce(tensor, group=None), "
-            f"got {type(all_reduce).__name__}."
-        )
-    # named_parameters() yields a shared Parameter once, so tied weights are reduced once.
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(
-            f"{type(module).__name__} has no trainable parameters (none with requires_grad=True): "
-            "there is nothing to synchronise. Unfreeze some parameters before wrapping."
-        )
-    devices = {p.device for _, p in params}
-    if len(devices) > 1:
-        raise ValueError(
-            f"the module's trainable parameters live on several devices "
-            f"({sorted(map(str, devices))}); "
-            "data parallelism keeps one full replica per rank on one device: move the module "
-            "with module.to(device) before wrapping."
-        )
-    device = devices.pop()
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
-        raise ValueError(
-            f"the process group uses NCCL, which only moves GPU tensors, but the module is on "
-            f"{device}. Move it first: module.to(f'cuda:{{rank}}')."
-        )
-    return params
-
-
 @torch.no_grad()
-def broadcast_module_state(module: nn.Module, group=None) -> None:
+def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Overwrite every parameter and buffer with rank 0's copy, so all replicas start equal.
 
     Args:
@@ -104,9 +61,11 @@ def broadcast_module_state(module: nn.Module, group=None) -> None:
 class DataParallelBase(nn.Module):
     """Shared machinery of the wrappers; subclasses implement how gradients are reduced.
 
-    Subclasses override :meth:`_grad_ready` (called from the hook of each
-    parameter in a synchronised backward) and :meth:`_reduce` (average every
-    gradient; called once per synchronisation).
+    Subclasses override :meth:`_reduce` (average every gradient; once per
+    synchronisation) and may override :meth:`_grad_accumulated` (every gradient,
+    also inside ``no_sync``), :meth:`_grad_ready` (every gradient of a
+    synchronised backward) and :meth:`_abort` (drop the state of a backward that
+    did not complete).
 
     Attributes:
         module: the wrapped model.
@@ -118,20 +77,23 @@ class DataParallelBase(nn.Module):
             communication) and ``"sync_end"`` on it at each synchronisation.
     """
 
-    def __init__(self, module: nn.Module, *, group=None, all_reduce=None):
+    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
+                 all_reduce: AllReduce | None = None):
         super().__init__()
-        params = check_wrappable(module, group, all_reduce)
+        params = guards.check_wrappable(module, group, all_reduce)
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
         self._custom_all_reduce = all_reduce
         self._named_params = params
         self.require_backward_grad_sync = True
-        self.trace = None
-        self._sync_this_backward = True   # decided at forward time, as torch DDP does
+        self.trace: Any = None
+        # Where this rank is in the step (torch DDP decides at forward time whether
+        # the next backward synchronises).
+        self._sync_this_backward = True   # the last forward was outside no_sync
         self._forward_pending = False     # a forward whose backward has not synchronised yet
         self._broadcast_buffers_next = True
-        self._in_backward = False
+        self._in_backward = False         # a synchronised backward is running
         self._unsynced: set[int] = set()  # params with a gradient not yet averaged
         self._replaced = False            # True once a newer wrapper took this module over
         broadcast_module_state(module, group)
@@ -156,7 +118,7 @@ class DataParallelBase(nn.Module):
 
         self._hook_handles = [p.register_post_accumulate_grad_hook(make_hook(i))
                               for i, (_, p) in enumerate(self._named_params)]
-        install_step_guard(self)
+        guards.install_step_guard(self)
 
     def _remove_hooks(self) -> None:
         for h in self._hook_handles:
@@ -166,26 +128,17 @@ class DataParallelBase(nn.Module):
         self._replaced = True
 
     def _on_grad_accumulated(self, index: int, param: nn.Parameter) -> None:
-        if not self._sync_this_backward:
-            self._unsynced.add(index)
-            self._grad_accumulated(index, param)  # inside no_sync: keep it local
-            return
-        if not self._in_backward:
-            if not self._forward_pending:
-                raise RuntimeError(
-                    f"{type(self).__name__}: a backward pass reached the wrapped parameters but "
-                    "no forward through the wrapper preceded it since the last synchronisation. "
-                    "Call the wrapper (model(x), not model.module(x)) before each backward; to "
-                    "backpropagate several losses of one forward, add them and call backward "
-                    "once, or run the earlier backwards inside no_sync()."
-                )
+        """The hook: ``param.grad`` now holds this backward's gradient of parameter ``index``."""
+        if self._sync_this_backward and not self._in_backward:
+            # The first gradient of a synchronised backward: sync once autograd is done.
+            guards.check_backward_start(self)
             self._forward_pending = False
             self._in_backward = True
-            self._start_backward()
             Variable._execution_engine.queue_callback(self._backward_end)
         self._unsynced.add(index)
         self._grad_accumulated(index, param)
-        self._grad_ready(index, param)
+        if self._sync_this_backward:  # inside no_sync the gradient stays local
+            self._grad_ready(index, param)
 
     def _backward_end(self) -> None:
         """Runs inside the autograd engine once backward has computed every gradient."""
@@ -196,10 +149,7 @@ class DataParallelBase(nn.Module):
         if self.trace is not None:
             self.trace.mark("sync_end")
 
-    # -- subclass interface --------------------------------------------------
-    def _start_backward(self) -> None:
-        """Reset per-backward state (first hook of a synchronised backward)."""
-
+    # -- what subclasses fill in -------------------------------------------
     def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
         """A gradient was accumulated into ``param.grad`` (with or without sync)."""
 
@@ -239,17 +189,12 @@ class DataParallelBase(nn.Module):
         """
         if not self._unsynced:
             return
-        missing = [n for i, (n, _) in enumerate(self._named_params) if i not in self._unsynced]
-        if missing:
+        try:
+            guards.check_all_gradients(self)
+        except RuntimeError:
             self._unsynced.clear()
             self._abort()
-            raise RuntimeError(
-                f"{type(self).__name__}: these parameters received no gradient in this step: "
-                f"{', '.join(missing)}. Every rank must all-reduce every gradient, or the ranks "
-                "would wait for each other forever. Make each trainable parameter contribute to "
-                "the loss, or freeze the unused ones (param.requires_grad_(False)) before "
-                "wrapping (torch DDP offers find_unused_parameters=True for this case)."
-            )
+            raise
         try:
             self._reduce()
         finally:
@@ -291,11 +236,7 @@ class DataParallelBase(nn.Module):
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module; broadcast rank 0's buffers first, as torch DDP does."""
-        if self._replaced:
-            raise RuntimeError(
-                f"this {type(self).__name__} no longer synchronises gradients: its module was "
-                "wrapped again by a newer wrapper, which took over. Use the newer wrapper."
-            )
+        guards.check_forward(self)
         if self._in_backward:  # the previous backward raised before finishing
             self._in_backward = False
             self._abort()

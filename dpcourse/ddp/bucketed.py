@@ -11,8 +11,10 @@ earlier.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp.base import DataParallelBase
 from dpcourse.ddp.buckets import check_bucket_cap, make_buckets
 
@@ -35,36 +37,19 @@ class DataParallelBucketed(DataParallelBase):
         bucket_cap_mb: the cap used.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, group=None,
-                 all_reduce=None):
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0,
+                 group: dist.ProcessGroup | None = None, all_reduce: AllReduce | None = None):
         cap = check_bucket_cap(bucket_cap_mb)  # before any communication or hook
         super().__init__(module, group=group, all_reduce=all_reduce)
         self.bucket_cap_mb = cap
         self.buckets, self._where = make_buckets(self._named_params, cap)
-
-    def _view(self, index: int) -> torch.Tensor:
-        b, k = self._where[index]
-        return self.buckets[b].views[k]
-
-    @torch.no_grad()
-    def _point_grad_at_bucket(self, index: int, param: nn.Parameter) -> None:
-        """Make ``param.grad`` the bucket view, copying the gradient in if it lives elsewhere.
-
-        After ``zero_grad(set_to_none=True)`` (the default) autograd hands the
-        parameter a freshly allocated gradient; torch's reducer then copies it
-        into the bucket and re-points ``param.grad``. Same here.
-        """
-        view = self._view(index)
-        if param.grad is not view:
-            view.copy_(param.grad)
-            param.grad = view
 
     def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
         # Runs once per parameter per backward on autograd's thread: keep the
         # common case (gradient already in its bucket) to two lookups.
         b, k = self._where[index]
         if param.grad is not self.buckets[b].views[k]:
-            self._point_grad_at_bucket(index, param)
+            self.buckets[b].attach_grad(k)
 
     @torch.no_grad()
     def _attach_grads_to_buckets(self) -> None:
@@ -83,12 +68,9 @@ class DataParallelBucketed(DataParallelBase):
                 for p, view in zip(bucket.params, bucket.views):
                     p.grad = view
                 continue
-            for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
-                if p.grad is None:
-                    view.zero_()
-                    p.grad = view
-                elif p.grad is not view:
-                    self._point_grad_at_bucket(i, p)
+            for k, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+                if p.grad is not view:
+                    bucket.attach_grad(k)
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module (see :meth:`DataParallelBase.forward`), gradients already in buckets."""
@@ -96,17 +78,7 @@ class DataParallelBucketed(DataParallelBase):
             self._attach_grads_to_buckets()
         return super().forward(*args, **kwargs)
 
-    @torch.no_grad()
-    def _launch(self, bucket, async_op: bool = False):
-        """Average one bucket in place: divide, then sum over ranks."""
-        for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
-            if p.grad is not view:
-                self._point_grad_at_bucket(i, p)  # param.grad was replaced after backward
-        # Divide BEFORE the sum, as torch DDP does: the sum then never exceeds the
-        # range of one rank's gradient (fp16/bf16 would overflow otherwise).
-        bucket.buffer.div_(self.world_size)
-        return self.all_reduce(bucket.buffer, async_op=async_op)
-
     def _reduce(self) -> None:
         for bucket in self.buckets:
-            self._launch(bucket)
+            bucket.launch(self.all_reduce, self.world_size, async_op=False)
+            bucket.reset()

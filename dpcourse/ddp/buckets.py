@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 
-MiB = 2 ** 20  # torch DDP's bucket_cap_mb counts mebibytes
+from dpcourse.formatting import MiB
+
 
 
 def check_bucket_cap(bucket_cap_mb) -> float:
@@ -90,9 +94,14 @@ def assign_buckets(params, bucket_cap_mb: float = 25.0) -> list[list[int]]:
     return buckets
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
-    """One flat gradient buffer and the parameters whose gradients are views into it.
+    """One flat gradient buffer, the parameters whose gradients are views into it, and its round.
+
+    The round is what :class:`~dpcourse.ddp.DataParallelOverlapped` tracks per
+    backward (as picotron's ``Bucket`` does): how many gradients are still
+    missing (:meth:`mark_ready`), and the work handle of its all-reduce once
+    launched (:meth:`launch`, :meth:`wait`).
 
     Attributes:
         index: position in the reduction order.
@@ -101,14 +110,22 @@ class Bucket:
         params: the parameters themselves.
         buffer: the flat 1-D gradient storage (one dtype, one device).
         views: ``views[k]`` is ``buffer``'s slice shaped like ``params[k]``.
+        pending: gradients of this round not yet marked ready.
+        launched: the all-reduce of this round has been issued.
     """
 
     index: int
     indices: list[int]
     names: list[str]
-    params: list
+    params: list[nn.Parameter]
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(repr=False)
+    pending: int = field(default=0, repr=False)
+    launched: bool = field(default=False, repr=False)
+    work: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.reset()
 
     @property
     def numel(self) -> int:
@@ -122,6 +139,66 @@ class Bucket:
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, {self.nbytes / MiB:.3f} MiB, {self.names})"
+
+    @torch.no_grad()
+    def attach_grad(self, k: int) -> None:
+        """Make ``params[k].grad`` the bucket's view, copying a gradient that lives elsewhere in.
+
+        After ``zero_grad(set_to_none=True)`` (the default) autograd hands the
+        parameter a freshly allocated gradient; torch's reducer then copies it
+        into the bucket and re-points ``param.grad``. Same here.
+        """
+        param, view = self.params[k], self.views[k]
+        if param.grad is None:
+            view.zero_()
+        elif param.grad is not view:
+            view.copy_(param.grad)
+        param.grad = view
+
+    def reset(self) -> None:
+        """Start a new round: every gradient missing, nothing launched."""
+        self.pending, self.launched, self.work = len(self.params), False, None
+
+    def mark_ready(self, k: int) -> bool:
+        """Count ``params[k]``'s gradient as final for this round; return True once all are.
+
+        Raises:
+            RuntimeError: the bucket was already all-reduced in this round (the
+                gradient came from a second backward through the same graph).
+        """
+        if self.launched:
+            raise RuntimeError(
+                f"the gradient of {self.names[k]} arrived after its bucket had already been "
+                "all-reduced in this backward. This happens when one forward's graph is "
+                "backpropagated twice; add the losses and call backward once, or run the first "
+                "backward inside no_sync()."
+            )
+        self.pending -= 1
+        return self.pending == 0
+
+    @torch.no_grad()
+    def launch(self, all_reduce: Callable[..., Any], world_size: int, async_op: bool) -> None:
+        """Average the bucket in place: divide by ``world_size``, then ``all_reduce`` the buffer.
+
+        Args:
+            all_reduce: ``fn(tensor, async_op=...)`` summing over the ranks in place.
+            world_size: number of ranks averaged over.
+            async_op: keep the work handle (:meth:`wait` waits for it) instead of blocking.
+        """
+        for k, (p, view) in enumerate(zip(self.params, self.views)):
+            if p.grad is not view:
+                self.attach_grad(k)  # param.grad was replaced after backward
+        # Divide BEFORE the sum, as torch DDP does: the sum then never exceeds the
+        # range of one rank's gradient (fp16/bf16 would overflow otherwise).
+        self.buffer.div_(world_size)
+        self.work = all_reduce(self.buffer, async_op=async_op)
+        self.launched = True
+
+    def wait(self) -> None:
+        """Wait for the launched all-reduce (on GPU: order the current stream after it)."""
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()
 
 
 def make_buckets(named_params,

@@ -14,8 +14,10 @@ latency many times over, and communication only starts once backward is over.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp.base import DataParallelBase
 
 
@@ -36,7 +38,8 @@ class DataParallelNaive(DataParallelBase):
             ``None`` uses ``torch.distributed.all_reduce``.
     """
 
-    def __init__(self, module: nn.Module, *, group=None, all_reduce=None):
+    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
+                 all_reduce: AllReduce | None = None):
         super().__init__(module, group=group, all_reduce=all_reduce)
 
     @torch.no_grad()

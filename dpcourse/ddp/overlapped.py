@@ -9,6 +9,11 @@ for the outstanding work handles. A step then costs about
 ``max(compute, communication)`` instead of their sum, apart from the last
 bucket, which can only start when backward is done.
 
+One gradient's path: the hook -> :meth:`DataParallelOverlapped._grad_ready`
+-> ``Bucket.mark_ready`` -> :meth:`DataParallelOverlapped._launch_ready_buckets`
+-> ``Bucket.launch`` -> the all-reduce. At the end of backward,
+:meth:`DataParallelOverlapped._reduce` launches what is left and waits.
+
 Buckets are launched strictly in index order, even if a later one is complete
 first: collectives are matched across ranks by the order they are issued, so
 every rank must issue them in the same order (torch's reducer does the same).
@@ -16,8 +21,10 @@ every rank must issue them in the same order (torch's reducer does the same).
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
+from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp.bucketed import DataParallelBucketed
 
 
@@ -47,52 +54,37 @@ class DataParallelOverlapped(DataParallelBucketed):
             (before waiting), so a lesson can see which all-reduces started earlier.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, group=None,
-                 all_reduce=None):
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0,
+                 group: dist.ProcessGroup | None = None, all_reduce: AllReduce | None = None):
         super().__init__(module, bucket_cap_mb=bucket_cap_mb, group=group, all_reduce=all_reduce)
-        self._reset_round()
-
-    def _reset_round(self) -> None:
-        """Forget the previous synchronisation: nothing launched, every bucket waiting."""
-        self._pending = [len(b.params) for b in self.buckets]
         self._next_bucket = 0  # the next bucket to launch; launches happen in index order
-        self._works = []
-
-    def _start_backward(self) -> None:
-        self._reset_round()
 
     def _grad_ready(self, index: int, param: nn.Parameter) -> None:
-        b, _ = self._where[index]
-        if b < self._next_bucket:
-            name = self._named_params[index][0]
-            raise RuntimeError(
-                f"the gradient of {name} arrived after its bucket had already been all-reduced "
-                "in this backward. This happens when one forward's graph is backpropagated "
-                "twice; add the losses and call backward once, or run the first backward "
-                "inside no_sync()."
-            )
-        self._pending[b] -= 1
-        self._launch_ready_buckets()
+        b, k = self._where[index]
+        if self.buckets[b].mark_ready(k):
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
-            work = self._launch(self.buckets[self._next_bucket], async_op=True)
-            if work is not None:
-                self._works.append(work)
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            self.buckets[self._next_bucket].launch(self.all_reduce, self.world_size, async_op=True)
             self._next_bucket += 1
 
     def _reduce(self) -> None:
-        # Every parameter has a gradient (checked by the caller): buckets still waiting
-        # got theirs in a no_sync backward, or this is an explicit call. Launch them now.
-        for b in range(self._next_bucket, len(self.buckets)):
-            self._pending[b] = 0
-        self._launch_ready_buckets()
-        works, self._works = self._works, []
+        """End of backward: launch what is left, wait for every bucket, start a new round."""
         try:
-            for work in works:
-                work.wait()  # on GPU: makes the current stream wait for the collective
+            # 1. Buckets still waiting got their gradients in a no_sync backward, or this
+            #    is an explicit call (every parameter has a gradient: checked by the caller).
+            for bucket in self.buckets[self._next_bucket:]:
+                bucket.pending = 0
+            self._launch_ready_buckets()
+            # 2. Wait, in launch order (on GPU: the current stream waits for each collective).
+            for bucket in self.buckets:
+                bucket.wait()
         finally:
-            self._reset_round()
+            # 3. Forget this round: every bucket waits for its gradients again.
+            self._abort()
 
     def _abort(self) -> None:
-        self._reset_round()
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_bucket = 0

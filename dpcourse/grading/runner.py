@@ -16,7 +16,7 @@ import re
 import tempfile
 import time
 
-from dpcourse.errors import RankDiedError, RankError, RankTimeoutError
+from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.grading.criteria import (NO_DEADLOCK, NO_DELEGATION, NOT_IMPLEMENTED, Criterion,
                                        RankRecorder)
 from dpcourse.grading.guards import forbid, static_references

@@ -1,7 +1,7 @@
 """The processes of one launch: start the ranks, watch them, collect results, stop them.
 
 Used by :func:`dpcourse.run`; the other half of the protocol is
-:mod:`dpcourse._worker` (files in a private temporary directory, ``exit`` on
+:mod:`dpcourse.launch.worker` (files in a private temporary directory, ``exit`` on
 stdin, stacks on SIGUSR1).
 """
 
@@ -11,33 +11,20 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-from dpcourse._relay import Relay
-from dpcourse.errors import RankDiedError, RankError, RankTimeoutError
+from dpcourse.launch.env import worker_env
+from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
+from dpcourse.launch.relay import Relay
 
 # How long a rank that returned may take to destroy its process group and exit.
 SHUTDOWN_GRACE = 30.0
 # Starting a rank (a fresh interpreter importing torch, then joining the group)
 # takes seconds, many more on a busy machine: it is not counted in `timeout`.
 STARTUP_TIMEOUT = 120.0
-
-
-def _worker_env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    # gloo listens on the interface its host name resolves to (often the LAN):
-    # all ranks live on this machine, so keep their traffic on loopback.
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    loopback = next((n for n in ("lo", "lo0") if n in names), None)
-    if loopback and "GLOO_SOCKET_IFNAME" not in env:
-        env["GLOO_SOCKET_IFNAME"] = loopback
-    return env
 
 
 class Launch:
@@ -58,10 +45,10 @@ class Launch:
     def start(self) -> None:
         with open(os.path.join(self.workdir, "payload.pkl"), "wb") as f:
             pickle.dump(self.spec, f)
-        env = _worker_env()
+        env = worker_env()
         for rank in range(self.world_size):
             proc = subprocess.Popen(
-                [sys.executable, "-m", "dpcourse._worker", self.workdir, str(rank),
+                [sys.executable, "-m", "dpcourse.launch.worker", self.workdir, str(rank),
                  str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=env, cwd=os.getcwd(),

@@ -23,8 +23,8 @@ import os
 import socket
 import sys
 
-from dpcourse._procs import STARTUP_TIMEOUT, Launch
-from dpcourse.errors import RankDiedError, RankError, RankTimeoutError
+from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
+from dpcourse.launch.procs import STARTUP_TIMEOUT, Launch
 
 DEFAULT_TIMEOUT = 120.0
 LOOPBACK = "127.0.0.1"

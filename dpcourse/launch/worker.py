@@ -1,10 +1,10 @@
-"""Entry point of one rank started by :func:`dpcourse.run` (``python -m dpcourse._worker``).
+"""Entry point of one rank started by :func:`dpcourse.run` (``python -m dpcourse.launch.worker``).
 
 The worker is a fresh interpreter (never a fork), so CUDA state of the parent
 cannot leak in and a function defined in a notebook cell arrives by value
 (cloudpickle) instead of by a ``__main__`` reference the child could not import.
 
-Protocol with the launching process (see :mod:`dpcourse.launch`):
+Protocol with the launching process (see :mod:`dpcourse.launch.procs`):
 
 * ``WORKDIR/payload.pkl`` holds the call and the launch settings;
 * the rank creates ``WORKDIR/rank{r}.joined`` once it is in the process group

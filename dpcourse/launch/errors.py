@@ -7,8 +7,9 @@ logs) teach nothing.
 
 from __future__ import annotations
 
-import re
 import signal
+
+from dpcourse.launch.stacks import describe_wait, format_frames, main_thread_frames
 
 _PHASE_HINT = {
     "load": "The function could not be loaded in the worker process: define it in the notebook "
@@ -56,69 +57,6 @@ class RankError(RuntimeError):
         super().__init__(text)
 
 
-# One frame of a faulthandler dump: '  File "/path/x.py", line 12 in fn'.
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-_LAUNCHER_FILES = ("dpcourse/_worker.py", "<frozen runpy>", "runpy.py", "<frozen importlib")
-_MAX_FRAMES = 20
-
-
-def _current_thread(dump: str) -> list[str]:
-    """The lines of the dump's current thread (the rank's main thread)."""
-    lines, current = [], False
-    for line in dump.replace("\\", "/").splitlines():
-        if line.startswith(("Current thread", "Thread ", "Stack (most recent")):
-            current = line.startswith(("Current thread", "Stack (most recent"))
-        elif current:
-            lines.append(line)
-    return lines
-
-
-def main_thread_frames(dump: str) -> list[tuple[str, int, str]]:
-    """Parse the main thread of a faulthandler dump: ``(file, line, function)``, innermost first.
-
-    Args:
-        dump: text written by ``faulthandler.dump_traceback(all_threads=True)``.
-
-    Returns:
-        The frames of the thread that was current (the rank's main thread), without
-        the launcher's own frames and Python's import machinery.
-    """
-    frames = []
-    for line in _current_thread(dump):
-        m = _FRAME.match(line)
-        if m and not any(f in m["file"] for f in _LAUNCHER_FILES):
-            frames.append((m["file"], int(m["line"]), m["func"]))
-    return frames
-
-
-def describe_wait(dump: str) -> str:
-    """Say in one line where a rank was: inside a torch.distributed call, or in Python code.
-
-    Args:
-        dump: the rank's faulthandler dump.
-
-    Returns:
-        e.g. ``"in torch.distributed all_reduce, called from train.py:12 in step"``.
-    """
-    if any(line.endswith(" in _find_and_load") for line in _current_thread(dump)):
-        return "still starting up (importing Python modules; a busy machine makes this slow)"
-    frames = main_thread_frames(dump)
-    if not frames:
-        return "still starting up"
-    dist_calls = [f for f in frames if "torch/distributed/" in f[0] and f[2] != "wrapper"]
-    user = next((f for f in frames if "/torch/" not in f[0] and "dpcourse/comm/trace" not in f[0]),
-                None)
-    where = f", called from {user[0].rsplit('/', 1)[-1]}:{user[1]} in {user[2]}" if user else ""
-    if "torch/distributed/" in frames[0][0] and dist_calls:
-        # The outermost torch.distributed frame is the API the user called.
-        api = dist_calls[-1][2]
-        return f"in torch.distributed {api} (a collective or point-to-point call){where}"
-    file, line, func = frames[0]
-    return (f"running Python code at {file.rsplit('/', 1)[-1]}:{line} in {func} (not inside a "
-            "torch.distributed call: a loop that does not end, a sleep, or waiting on something "
-            f"else){where if user and user != frames[0] else ''}")
-
-
 class RankTimeoutError(TimeoutError):
     """Some ranks did not finish within the timeout (a hang or a deadlock).
 
@@ -156,12 +94,8 @@ class RankTimeoutError(TimeoutError):
         for rank in self.waiting:
             frames = main_thread_frames(self.stacks.get(rank, ""))
             if frames:
-                stack = "\n".join(f'  File "{f}", line {n} in {fn}'
-                                   for f, n, fn in frames[:_MAX_FRAMES])
-                if len(frames) > _MAX_FRAMES:
-                    stack += f"\n  ... {len(frames) - _MAX_FRAMES} outer frames not shown"
                 lines.append(f"--- where rank {rank} was waiting (most recent call first) ---\n"
-                             f"{stack}")
+                             f"{format_frames(frames)}")
         super().__init__("\n".join(lines))
 
 

@@ -1,0 +1,151 @@
+"""The mistakes a data-parallel wrapper refuses, each checked at one named moment.
+
+* :func:`check_wrappable` - at construction: what can be wrapped at all;
+* :func:`check_forward` - at each forward: the wrapper is still the module's;
+* :func:`check_backward_start` - at the first gradient of a synchronised backward:
+  a forward through the wrapper preceded it;
+* :func:`check_all_gradients` - when gradients are synchronised: every trainable
+  parameter got one (otherwise the ranks would wait for each other forever);
+* :func:`install_step_guard` - at ``optimizer.step()``: no gradient is still
+  this rank's alone.
+
+Each error says what went wrong and what to do, because the alternative is a
+hang or replicas that silently drift apart.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+if TYPE_CHECKING:
+    from dpcourse.ddp.base import DataParallelBase
+
+
+def check_wrappable(module: nn.Module, group: dist.ProcessGroup | None,
+                    all_reduce: object) -> list[tuple[str, nn.Parameter]]:
+    """Validate a wrapper's arguments; return the trainable ``(name, parameter)`` pairs.
+
+    Args:
+        module: the model to wrap.
+        group: process group (``None``: the default group).
+        all_reduce: ``None`` or a function ``fn(tensor, group=None)`` summing in place.
+
+    Returns:
+        Trainable parameters in registration order, each once (tied weights appear once).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module to wrap, got {type(module).__name__}.")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed has no process group yet. Run this code inside "
+            "dpcourse.run(fn) (which initialises one per rank), or under torchrun after "
+            "torch.distributed.init_process_group(backend)."
+        )
+    if all_reduce is not None and not callable(all_reduce):
+        raise TypeError(
+            f"all_reduce must be a function like torch.distributed.all_reduce(tensor, group=None), "
+            f"got {type(all_reduce).__name__}."
+        )
+    # named_parameters() yields a shared Parameter once, so tied weights are reduced once.
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            f"{type(module).__name__} has no trainable parameters (none with requires_grad=True): "
+            "there is nothing to synchronise. Unfreeze some parameters before wrapping."
+        )
+    devices = {p.device for _, p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the module's trainable parameters live on several devices "
+            f"({sorted(map(str, devices))}); "
+            "data parallelism keeps one full replica per rank on one device: move the module "
+            "with module.to(device) before wrapping."
+        )
+    device = devices.pop()
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"the process group uses NCCL, which only moves GPU tensors, but the module is on "
+            f"{device}. Move it first: module.to(f'cuda:{{rank}}')."
+        )
+    return params
+
+
+def check_forward(wrapper: DataParallelBase) -> None:
+    """Refuse a forward through a wrapper whose module a newer wrapper took over."""
+    if wrapper._replaced:
+        raise RuntimeError(
+            f"this {type(wrapper).__name__} no longer synchronises gradients: its module was "
+            "wrapped again by a newer wrapper, which took over. Use the newer wrapper."
+        )
+
+
+def check_backward_start(wrapper: DataParallelBase) -> None:
+    """Refuse a synchronised backward that no forward through the wrapper preceded."""
+    if not wrapper._forward_pending:
+        raise RuntimeError(
+            f"{type(wrapper).__name__}: a backward pass reached the wrapped parameters but "
+            "no forward through the wrapper preceded it since the last synchronisation. "
+            "Call the wrapper (model(x), not model.module(x)) before each backward; to "
+            "backpropagate several losses of one forward, add them and call backward "
+            "once, or run the earlier backwards inside no_sync()."
+        )
+
+
+def check_all_gradients(wrapper: DataParallelBase) -> None:
+    """Refuse to synchronise when some trainable parameter received no gradient."""
+    missing = [n for i, (n, _) in enumerate(wrapper._named_params) if i not in wrapper._unsynced]
+    if missing:
+        raise RuntimeError(
+            f"{type(wrapper).__name__}: these parameters received no gradient in this step: "
+            f"{', '.join(missing)}. Every rank must all-reduce every gradient, or the ranks "
+            "would wait for each other forever. Make each trainable parameter contribute to "
+            "the loss, or freeze the unused ones (param.requires_grad_(False)) before "
+            "wrapping (torch DDP offers find_unused_parameters=True for this case)."
+        )
+
+
+def install_step_guard(wrapper: DataParallelBase) -> None:
+    """Make any optimizer step on ``wrapper``'s parameters raise while their gradients are unsynchronised.
+
+    With ``no_sync()`` or a hand-driven loop, a learner can call ``optimizer.step()``
+    while some gradients are still this rank's alone. Every rank would then step
+    with a different gradient and the replicas would silently drift apart (torch
+    DDP does not catch this). A global optimizer pre-step hook catches it at the
+    step, while the mistake is still one line away.
+
+    The hook holds the wrapper weakly and is removed when the wrapper is
+    garbage-collected or its hooks are removed.
+
+    Args:
+        wrapper: reads its ``_named_params`` and ``_unsynced`` (indices of gradients
+            not yet averaged); sets ``_step_guard`` to the hook's handle.
+    """
+    me = weakref.ref(wrapper)
+    index_of = {id(p): i for i, (_, p) in enumerate(wrapper._named_params)}
+
+    def before_step(optimizer, args, kwargs):
+        w = me()
+        if w is None or not w._unsynced:
+            return
+        stepped = {index_of[id(p)] for g in optimizer.param_groups for p in g["params"]
+                   if id(p) in index_of}
+        pending = sorted(stepped & w._unsynced)
+        if pending:
+            names = ", ".join(w._named_params[i][0] for i in pending[:5])
+            more = f" and {len(pending) - 5} more" if len(pending) > 5 else ""
+            raise RuntimeError(
+                f"optimizer.step() was called before the gradients of {names}{more} were "
+                f"averaged across ranks: each rank would step with its own gradient and the "
+                f"replicas would drift apart. Run the last micro-step's backward outside "
+                f"no_sync(), or call model.finish_gradient_synchronization() before "
+                f"optimizer.step()."
+            )
+
+    handle = register_optimizer_step_pre_hook(before_step)
+    wrapper._step_guard = handle
+    weakref.finalize(wrapper, handle.remove)

@@ -1,0 +1,52 @@
+"""Environment of the ranks: what a worker starts with, and the slow-link switch.
+
+Both are plain environment variables read by the processes a launch starts, so
+they are set in the launching process before the ranks start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+# NCCL over sockets: no NVLink / PCIe peer access and no shared memory between GPUs,
+# which makes communication as visible as on a cross-node Ethernet link.
+SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+
+
+def worker_env() -> dict:
+    """Return the environment a rank starts with: ours, this package importable, gloo on loopback."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    # gloo listens on the interface its host name resolves to (often the LAN):
+    # all ranks live on this machine, so keep their traffic on loopback.
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    if loopback and "GLOO_SOCKET_IFNAME" not in env:
+        env["GLOO_SOCKET_IFNAME"] = loopback
+    return env
+
+
+@contextlib.contextmanager
+def slow_link(enabled: bool):
+    """Route NCCL through sockets (no NVLink / PCIe peer access, no shared memory) inside the block.
+
+    The ranks are started inside the block and inherit the environment, so
+    NCCL reads these variables when it starts; they are restored afterwards.
+
+    Args:
+        enabled: set the variables; ``False`` leaves the environment alone.
+    """
+    saved = {k: os.environ.get(k) for k in SLOW_LINK_ENV}
+    if enabled:
+        os.environ.update(SLOW_LINK_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
