@@ -74,12 +74,11 @@ def torchrun_command(argv: list[str]) -> list[str]:
     process per GPU (2 on a CPU-only machine) and a standalone rendezvous on
     this host.
     """
-    import torch
+    from dpcourse.device import visible_gpus
 
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if not _has_any(argv, "--nproc-per-node", "--nproc_per_node"):
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        cmd.append(f"--nproc-per-node={gpus or 2}")
+        cmd.append(f"--nproc-per-node={visible_gpus() or 2}")
     multi_node = _has_any(argv, "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint",
                           "--master-addr", "--master_addr", "--standalone")
     if not multi_node:

@@ -24,13 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from dpcourse.device import rank_device
+from dpcourse.launch import resolve_backend
+
 WRAPPERS = ("DataParallelNaive", "DataParallelBucketed", "DataParallelOverlapped")
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def train(steps: int = 20, batch_size: int = 16, lr: float = 0.05) -> list[dict]:
@@ -49,7 +46,7 @@ def train(steps: int = 20, batch_size: int = 16, lr: float = 0.05) -> list[dict]
     from dpcourse.data import ShardedSampler, make_regression
     from dpcourse.models import MLP
 
-    device, world = _device(), dist.get_world_size()
+    device, world = rank_device(), dist.get_world_size()
     base = MLP(in_features=8, hidden=64, out_features=1, depth=4, seed=0).to(device)
     # bucket_cap_mb small enough that this tiny MLP gets several buckets.
     kwargs = {"DataParallelBucketed": {"bucket_cap_mb": 0.01},
@@ -141,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return cli(argparse.Namespace(world_size=None, backend=args.backend, steps=args.steps))
     backend = args.backend
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = resolve_backend("auto", int(os.environ.get("LOCAL_WORLD_SIZE", 1)))[0]
     owns_group = not dist.is_initialized()
     if owns_group:
         if backend == "nccl":

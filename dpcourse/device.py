@@ -13,6 +13,11 @@ import torch
 import torch.distributed as dist
 
 
+def visible_gpus() -> int:
+    """Return how many CUDA GPUs this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def rank_device(group=None) -> torch.device:
     """Return the device this rank's tensors should live on.
 

@@ -4,11 +4,6 @@ Each small model takes a ``seed``: the same seed gives the same weights on
 every rank and in every run, which is what lets a test compare a data-parallel
 run with single-process training value by value. Pass different seeds on
 different ranks to see the start-up broadcast at work.
-
-The special cases each exercise one corner of gradient synchronisation:
-a frozen layer and a frozen bias (no gradient to reduce), tied weights (one
-parameter used twice, reduced once), buffers (broadcast, not reduced) and an
-unused layer (a gradient that never arrives).
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from torch import nn
 
 
 @contextlib.contextmanager
-def _seeded(seed: int | None):
+def seeded(seed: int | None):
     """Seed the CPU generator inside the block, leaving the caller's random state untouched."""
     if seed is None:
         yield
@@ -50,97 +45,12 @@ class MLP(nn.Sequential):
             raise ValueError(f"depth must be at least 1, got {depth}.")
         widths = [in_features] + [hidden] * (depth - 1) + [out_features]
         layers: list[nn.Module] = []
-        with _seeded(seed):
+        with seeded(seed):
             for i in range(depth):
                 layers.append(nn.Linear(widths[i], widths[i + 1]))
                 if i < depth - 1:
                     layers.append(nn.Tanh())
         super().__init__(*layers)
-
-
-def frozen_layer_mlp(seed: int | None = 0, **kwargs) -> MLP:
-    """Build an :class:`MLP` whose first Linear layer is frozen (as in fine-tuning)."""
-    model = MLP(seed=seed, **kwargs)
-    model[0].requires_grad_(False)
-    return model
-
-
-def frozen_bias_mlp(seed: int | None = 0, **kwargs) -> MLP:
-    """Build an :class:`MLP` whose last bias is frozen: one frozen tensor among trainable ones."""
-    model = MLP(seed=seed, **kwargs)
-    model[-1].bias.requires_grad_(False)
-    return model
-
-
-class TiedEmbeddingModel(nn.Module):
-    """Predict the next token with an output projection that shares the embedding's weight.
-
-    The same ``Parameter`` is reached twice (``embed.weight`` and ``head.weight``):
-    autograd sums both contributions into one gradient, which must be all-reduced once.
-
-    Args:
-        vocab_size: number of token ids.
-        dim: embedding width.
-        seed: initialisation seed.
-    """
-
-    def __init__(self, vocab_size: int = 16, dim: int = 8, seed: int | None = 0):
-        super().__init__()
-        with _seeded(seed):
-            self.embed = nn.Embedding(vocab_size, dim)
-            self.hidden = nn.Linear(dim, dim)
-            self.head = nn.Linear(dim, vocab_size, bias=False)
-        self.head.weight = self.embed.weight  # tie
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Map token ids (B,) or (B, T) to logits (..., vocab_size)."""
-        return self.head(torch.tanh(self.hidden(self.embed(tokens))))
-
-
-class BatchNormMLP(nn.Module):
-    """An MLP with BatchNorm1d: its running statistics are buffers, broadcast, never reduced.
-
-    Args:
-        in_features: input width.
-        hidden: hidden width.
-        out_features: output width.
-        seed: initialisation seed.
-    """
-
-    def __init__(self, in_features: int = 8, hidden: int = 16, out_features: int = 1,
-                 seed: int | None = 0):
-        super().__init__()
-        with _seeded(seed):
-            self.fc1 = nn.Linear(in_features, hidden)
-            self.norm = nn.BatchNorm1d(hidden)
-            self.fc2 = nn.Linear(hidden, out_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Map (B, in_features) to (B, out_features)."""
-        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
-
-
-class UnusedLayerMLP(nn.Module):
-    """An MLP with a trainable layer that forward never uses: its gradient never arrives.
-
-    Args:
-        in_features: input width.
-        hidden: hidden width.
-        out_features: output width.
-        seed: initialisation seed.
-    """
-
-    def __init__(self, in_features: int = 8, hidden: int = 16, out_features: int = 1,
-                 seed: int | None = 0):
-        super().__init__()
-        with _seeded(seed):
-            self.fc1 = nn.Linear(in_features, hidden)
-            self.unused = nn.Linear(hidden, hidden)
-            self.fc2 = nn.Linear(hidden, out_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Map (B, in_features) to (B, out_features), skipping ``self.unused``."""
-        return self.fc2(torch.tanh(self.fc1(x)))
 
 
 # -- a small GPT ------------------------------------------------------------------
@@ -229,7 +139,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig | None = None, seed: int | None = 0):
         super().__init__()
         self.cfg = cfg = cfg or tiny()
-        with _seeded(seed):
+        with seeded(seed):
             self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
             self.drop = nn.Dropout(cfg.dropout)

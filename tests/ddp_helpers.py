@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from dpcourse import ddp as dpddp
 from dpcourse.data import shard_batch
-from dpcourse.models import (GPT, MLP, BatchNormMLP, GPTConfig, TiedEmbeddingModel,
-                             frozen_bias_mlp, frozen_layer_mlp, random_tokens)
+from dpcourse.models import GPT, MLP, GPTConfig, random_tokens
+from fixture_models import (BatchNormMLP, TiedEmbeddingModel, frozen_bias_mlp,
+                            frozen_layer_mlp)
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32: only summation order differs between the three copies
 GLOBAL_BATCH = 12        # divisible by world sizes 1, 2, 3, 4

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import dpcourse
 from dpcourse.comm import CommTrace
 from dpcourse.ddp import DataParallelNaive
-from dpcourse.models import MLP, BatchNormMLP, UnusedLayerMLP
+from dpcourse.models import MLP
+from fixture_models import BatchNormMLP, UnusedLayerMLP
 from ddp_helpers import (assert_three_ways_agree, counting_all_reduce, global_batch, loss_of,
                          make_model, train_three_ways)
 

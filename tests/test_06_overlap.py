@@ -9,7 +9,7 @@ import torch.distributed as dist
 import dpcourse
 from dpcourse.comm import CommTrace
 from dpcourse.ddp import DataParallelBucketed, DataParallelOverlapped
-from dpcourse.models import UnusedLayerMLP
+from fixture_models import UnusedLayerMLP
 from ddp_helpers import (assert_three_ways_agree, counting_all_reduce, global_batch, loss_of,
                          make_model, train_three_ways)
 

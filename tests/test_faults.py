@@ -19,7 +19,7 @@ from proc_helpers import live_children, wait_gone
 
 import dpcourse
 from dpcourse import RankDiedError, RankError, RankTimeoutError
-from dpcourse.launch.procs import Launch
+from dpcourse.launch.procs import Launch, LaunchSpec
 from dpcourse.launch.launcher import _loopback_store, _serialize_call
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
@@ -164,9 +164,9 @@ def pid_then_sleep():
 def test_workers_exit_when_their_stdin_closes():
     """The portable parent-death signal: EOF on stdin (the launcher is still alive here)."""
     store = _loopback_store()
-    spec = {"call": _serialize_call(pid_then_sleep, (), {}), "world_size": 2, "backend": "gloo",
-            "host": "127.0.0.1", "port": store.port, "prefix": "t", "timeout": 60.0,
-            "pg_timeout": 60.0, "sys_path": list(sys.path)}
+    spec = LaunchSpec(call=_serialize_call(pid_then_sleep, (), {}), world_size=2, backend="gloo",
+                      host="127.0.0.1", port=store.port, prefix="t", timeout=60.0,
+                      pg_timeout=60.0, sys_path=list(sys.path))
     launch = Launch(spec, 60.0, prefix_output=True)
     try:
         launch.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dpcourse.bench.records import AllReduceRow
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
 from dpcourse.comm import naive_all_reduce, ring_all_reduce
 from dpcourse.costmodel.alphabeta import bus_factor
@@ -40,7 +41,7 @@ def _resolve(impls) -> dict:
 
 
 def allreduce_sweep(sizes, impls=("ring", "library"), *, warmup: int = 3, iters: int = 10,
-                    dtype=torch.float32, group=None) -> list[dict]:
+                    dtype=torch.float32, group=None) -> list[AllReduceRow]:
     """Time all-reduce implementations over message sizes; call on every rank of ``group``.
 
     For each size, every implementation gets ``warmup`` untimed calls, then
@@ -58,11 +59,12 @@ def allreduce_sweep(sizes, impls=("ring", "library"), *, warmup: int = 3, iters:
         group: the process group; ``None`` means the default group.
 
     Returns:
-        One dict per (size, impl), identical on every rank: ``impl``, ``nbytes``,
-        ``numel``, ``dtype``, ``world_size``, ``backend``, ``device``, ``median_s``,
-        ``min_s``, ``max_s``, ``p25_s``, ``p75_s``, ``trials``, ``latency_us`` (the
-        median in microseconds), ``algbw``, ``busbw`` and, when ``"library"`` is among
-        the impls, ``vs_library`` (library median / this median: the bandwidth ratio).
+        One :class:`~dpcourse.bench.records.AllReduceRow` per (size, impl), identical on
+        every rank: ``impl``, ``nbytes``, ``numel``, ``dtype``, ``world_size``,
+        ``backend``, ``device``, ``median_s``, ``min_s``, ``max_s``, ``p25_s``, ``p75_s``,
+        ``trials``, ``latency_us`` (the median in microseconds), ``algbw``, ``busbw`` and,
+        when ``"library"`` is among the impls, ``vs_library`` (library median / this
+        median: the bandwidth ratio; else None).
     """
     fns = _resolve(impls)
     world_size = dist.get_world_size(group)
@@ -76,17 +78,17 @@ def allreduce_sweep(sizes, impls=("ring", "library"), *, warmup: int = 3, iters:
         calls = {name: (lambda fn=fn: fn(tensor, group=group)) for name, fn in fns.items()}
         times = time_interleaved(calls, warmup=warmup, iters=iters, group=group, device=device)
         for name in fns:
-            row = {"impl": name, "nbytes": numel * element, "numel": numel,
-                   "dtype": str(dtype).replace("torch.", ""), "world_size": world_size,
-                   "backend": dist.get_backend(group), "device": device_name(device)}
-            row.update(summarize(times[name]))
-            row["latency_us"] = row["median_s"] * 1e6
-            row["algbw"] = row["nbytes"] / row["median_s"]
-            row["busbw"] = row["algbw"] * bus_factor(world_size)
-            rows.append(row)
+            timing = summarize(times[name])
+            algbw = numel * element / timing.median_s
+            rows.append(AllReduceRow(
+                **timing, impl=name, nbytes=numel * element, numel=numel,
+                dtype=str(dtype).replace("torch.", ""), world_size=world_size,
+                backend=dist.get_backend(group), device=device_name(device),
+                latency_us=timing.median_s * 1e6, algbw=algbw,
+                busbw=algbw * bus_factor(world_size)))
         if "library" in fns:  # speed relative to the library at this size (>1: faster)
-            library = next(r["median_s"] for r in rows[-len(fns):] if r["impl"] == "library")
+            library = next(r.median_s for r in rows[-len(fns):] if r.impl == "library")
             for row in rows[-len(fns):]:
-                row["vs_library"] = library / row["median_s"]
+                row.vs_library = library / row.median_s
         del tensor, calls
     return rows

@@ -124,7 +124,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
               "median": format_seconds(r["median_s"]),
               "IQR": f"{format_seconds(r['p25_s'])}..{format_seconds(r['p75_s'])}",
               "algbw GB/s": f"{r['algbw'] / 1e9:.3g}", "busbw GB/s": f"{r['busbw'] / 1e9:.3g}",
-              "vs library": f"{r['vs_library']:.3f}" if "vs_library" in r else ""} for r in rows]
+              "vs library": f"{r['vs_library']:.3f}" if r["vs_library"] is not None else ""} for r in rows]
     print(f"all-reduce, {world_size} ranks, {backend}, {rows[0]['device']}, {args.dtype}")
     print(format_table(table))
 

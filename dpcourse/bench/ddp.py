@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dpcourse.bench.records import StepRow
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
 from dpcourse.device import rank_device
 
@@ -69,7 +70,7 @@ def _n_buckets(wrapped):
 
 
 def _compare(variants, *, config, batch_size, bucket_cap_mb, warmup, iters, group,
-             torch_ddp_kwargs, amp) -> list[dict]:
+             torch_ddp_kwargs, amp) -> list[StepRow]:
     """Build every variant, time their steps interleaved, return one row per variant."""
     from dpcourse.models import GPT, random_tokens
 
@@ -93,14 +94,14 @@ def _compare(variants, *, config, batch_size, bucket_cap_mb, warmup, iters, grou
     times = time_interleaved(steps, warmup=warmup, iters=iters, group=group, device=device)
     rows = []
     for variant in variants:
-        row = {"variant": variant, "bucket_cap_mb": bucket_cap_mb,
-               "n_buckets": _n_buckets(wrapped_models[variant]), "world_size": world_size,
-               "backend": dist.get_backend(group), "device": device_name(device),
-               "config": cfg_name, "params": n_params, "batch_size": batch_size,
-               "seq_len": cfg.block_size, "amp": str(amp_dtype).replace("torch.", "")}
-        row.update(summarize(times[variant]))
-        row["tokens_per_s"] = world_size * batch_size * cfg.block_size / row["median_s"]
-        rows.append(row)
+        timing = summarize(times[variant])
+        rows.append(StepRow(
+            **timing, variant=variant, bucket_cap_mb=bucket_cap_mb,
+            n_buckets=_n_buckets(wrapped_models[variant]), world_size=world_size,
+            backend=dist.get_backend(group), device=device_name(device), config=cfg_name,
+            params=n_params, batch_size=batch_size, seq_len=cfg.block_size,
+            amp=str(amp_dtype).replace("torch.", ""),
+            tokens_per_s=world_size * batch_size * cfg.block_size / timing.median_s))
     _add_ratios(rows)
     del steps, wrapped_models
     if device.type == "cuda":
@@ -108,18 +109,18 @@ def _compare(variants, *, config, batch_size, bucket_cap_mb, warmup, iters, grou
     return rows
 
 
-def _add_ratios(rows: list[dict]) -> None:
+def _add_ratios(rows: list[StepRow]) -> None:
     """Give each row its step time relative to torch DDP and to no communication (same run)."""
-    by = {r["variant"]: r["median_s"] for r in rows}
+    by = {r.variant: r.median_s for r in rows}
     for r in rows:
-        r["vs_torch_ddp"] = r["median_s"] / by["torch_ddp"] if "torch_ddp" in by else None
+        r.vs_torch_ddp = r.median_s / by["torch_ddp"] if "torch_ddp" in by else None
         # Efficiency: the fraction of the step that is not waiting on communication.
-        r["efficiency"] = by["local"] / r["median_s"] if "local" in by else None
+        r.efficiency = by["local"] / r.median_s if "local" in by else None
 
 
 def ddp_step_times(variants=VARIANTS, *, config: str = "auto", batch_size: int | None = None,
                    bucket_cap_mb: float = 25.0, warmup: int = 3, iters: int = 10, group=None,
-                   amp: str = "auto", torch_ddp_kwargs: dict | None = None) -> list[dict]:
+                   amp: str = "auto", torch_ddp_kwargs: dict | None = None) -> list[StepRow]:
     """Time one training step (forward, backward, AdamW step) per variant; call on every rank.
 
     Args:
@@ -135,7 +136,7 @@ def ddp_step_times(variants=VARIANTS, *, config: str = "auto", batch_size: int |
         torch_ddp_kwargs: extra arguments for torch's ``DistributedDataParallel``.
 
     Returns:
-        One dict per variant, identical on every rank: ``variant``, ``median_s``,
+        One :class:`~dpcourse.bench.records.StepRow` per variant, identical on every rank: ``variant``, ``median_s``,
         ``min_s``, ``max_s``, ``p25_s``, ``p75_s``, ``trials``, ``vs_torch_ddp``
         (median / torch DDP's median), ``efficiency`` (local median / median),
         ``tokens_per_s``, ``n_buckets`` and the setup (model, batch, device, backend).

@@ -9,6 +9,8 @@ import platform
 import re
 import subprocess
 
+from dpcourse.bench.records import to_json
+
 
 def _driver_version() -> str | None:
     try:
@@ -77,7 +79,7 @@ def write_results(out_dir: str, name: str, payload: dict, figure=None) -> list[s
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name + ".json")
     with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
+        json.dump(payload, f, indent=1, default=to_json)
         f.write("\n")
     paths = [path]
     if figure is not None:

@@ -6,13 +6,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dpcourse.bench.records import BucketStepRow
 from dpcourse.bench.timing import summarize, time_interleaved
 from dpcourse.device import rank_device
 
 
 def ddp_step_sweep(bucket_caps=(0, 1, 4, 16), *, in_features: int = 256, hidden: int = 1024,
                    depth: int = 5, batch_size: int = 64, warmup: int = 2, iters: int = 8,
-                   group=None) -> list[dict]:
+                   group=None) -> list[BucketStepRow]:
     """Time one SGD step of an MLP per bucket size, with and without overlap; call on every rank.
 
     Timed: ``"local"`` (no communication: the compute a prediction starts from), then
@@ -30,8 +31,8 @@ def ddp_step_sweep(bucket_caps=(0, 1, 4, 16), *, in_features: int = 256, hidden:
         group: the process group; ``None`` means the default group.
 
     Returns:
-        One dict for ``"local"`` (``bucket_cap_mb`` None), then one per (cap, variant),
-        identical on every rank: ``variant``, ``bucket_cap_mb``, ``n_buckets``,
+        One :class:`~dpcourse.bench.records.BucketStepRow` for ``"local"``
+        (``bucket_cap_mb`` None), then one per (cap, variant), identical on every rank: ``variant``, ``bucket_cap_mb``, ``n_buckets``,
         ``bucket_bytes`` (sizes in launch order), ``grad_bytes``, ``world_size`` and the
         timing statistics (``median_s``, ``p25_s``, ...).
     """
@@ -56,11 +57,10 @@ def ddp_step_sweep(bucket_caps=(0, 1, 4, 16), *, in_features: int = 256, hidden:
     times = time_interleaved(steps, warmup=warmup, iters=iters, group=group, device=device)
     rows = []
     for (variant, cap), seconds in times.items():
-        row = {"variant": variant, "bucket_cap_mb": cap, "n_buckets": len(buckets[cap]),
-               "bucket_bytes": buckets[cap], "grad_bytes": grad_bytes,
-               "world_size": dist.get_world_size(group)}
-        row.update(summarize(seconds))
-        rows.append(row)
+        rows.append(BucketStepRow(
+            **summarize(seconds), variant=variant, bucket_cap_mb=cap,
+            n_buckets=len(buckets[cap]), bucket_bytes=buckets[cap], grad_bytes=grad_bytes,
+            world_size=dist.get_world_size(group)))
     return rows
 
 

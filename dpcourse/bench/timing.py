@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dpcourse.bench.records import Timing
 from dpcourse.device import rank_device, synchronize
 
 
@@ -77,15 +78,16 @@ def time_interleaved(fns: dict, *, warmup: int = 2, iters: int = 10, group=None,
     return {name: times[i].tolist() for i, name in enumerate(names)}
 
 
-def summarize(seconds: list[float]) -> dict:
+def summarize(seconds: list[float]) -> Timing:
     """Reduce trial times to the statistics every benchmark row carries.
 
     Args:
         seconds: trial durations.
 
     Returns:
-        ``median_s``, ``min_s``, ``max_s``, ``p25_s``, ``p75_s`` (quartiles; the
-        interquartile range is the spread to quote) and ``trials``.
+        A :class:`~dpcourse.bench.records.Timing`: ``median_s``, ``min_s``, ``max_s``,
+        ``p25_s``, ``p75_s`` (quartiles; the interquartile range is the spread to quote)
+        and ``trials``; it reads like a dict too (``summarize(t)["median_s"]``).
     """
     if not seconds:
         raise ValueError("no trial times to summarize.")
@@ -93,8 +95,8 @@ def summarize(seconds: list[float]) -> dict:
         p25, _, p75 = statistics.quantiles(seconds, n=4, method="inclusive")
     else:
         p25 = p75 = seconds[0]
-    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
-            "p25_s": p25, "p75_s": p75, "trials": len(seconds)}
+    return Timing(median_s=statistics.median(seconds), min_s=min(seconds), max_s=max(seconds),
+                  p25_s=p25, p75_s=p75, trials=len(seconds))
 
 
 def device_name(device: torch.device) -> str:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dpcourse.comm.p2p import (CompletedWork, check_reduce_args, flat_view, global_rank,
-                               group_rank_and_size)
+from dpcourse.comm.p2p import (AllReduce, CompletedWork, check_reduce_args, flat_view,
+                               global_rank, group_rank_and_size, recv, send)
 
 
 @torch.no_grad()  # like dist.all_reduce, works on tensors that require grad
-def naive_all_reduce(tensor: torch.Tensor, group=None, *, op=dist.ReduceOp.SUM,
-                     async_op: bool = False):
+def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                     op=dist.ReduceOp.SUM, async_op: bool = False) -> CompletedWork | None:
     """Sum ``tensor`` over all ranks in place by gathering it on one root and sending the sum back.
 
     Rank 0 of ``group`` receives every other rank's tensor in turn, adds it to
     its own, then sends the total to every rank. It is written with single
-    messages (``dist.isend`` / ``dist.irecv``, each waited at once, i.e. a
-    blocking send / receive) rather than ``dist.gather`` + ``dist.broadcast``,
+    messages (``dist.isend`` / ``dist.irecv``, each waited at once: the blocking
+    :func:`~dpcourse.comm.p2p.send` / :func:`~dpcourse.comm.p2p.recv`) rather than ``dist.gather`` + ``dist.broadcast``,
     so that the traffic is visible message by message (in ``CommTrace``): the
     root receives ``(N - 1)`` full tensors and sends ``(N - 1)`` full tensors,
     so its link carries ``2 (N - 1)`` times the size while the other links idle.
@@ -41,17 +41,18 @@ def naive_all_reduce(tensor: torch.Tensor, group=None, *, op=dist.ReduceOp.SUM,
             if rank == 0:
                 incoming = torch.empty_like(flat)
                 for src in range(1, world_size):
-                    dist.irecv(incoming, src=global_rank(group, src), group=group).wait()
+                    recv(incoming, global_rank(group, src), group)
                     flat.add_(incoming)
                 for dst in range(1, world_size):
-                    dist.isend(flat, dst=global_rank(group, dst), group=group).wait()
+                    send(flat, global_rank(group, dst), group)
             else:
-                dist.isend(flat, dst=root, group=group).wait()
-                dist.irecv(flat, src=root, group=group).wait()
+                send(flat, root, group)
+                recv(flat, root, group)
     return CompletedWork() if async_op else None
 
 
-def all_reduce_per_tensor(tensors, group=None, all_reduce=None, average: bool = False) -> None:
+def all_reduce_per_tensor(tensors, group: dist.ProcessGroup | None = None,
+                          all_reduce: AllReduce | None = None, average: bool = False) -> None:
     """All-reduce each tensor with its own call: the naive way to synchronize gradients.
 
     One collective per tensor pays the per-call latency once per parameter,

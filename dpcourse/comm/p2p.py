@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-def group_rank_and_size(group=None) -> tuple[int, int]:
+def group_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """Return this process's rank inside ``group`` and the group's size.
 
     Args:
@@ -37,7 +37,7 @@ def group_rank_and_size(group=None) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def global_rank(group, rank: int) -> int:
+def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     """Translate a rank counted inside ``group`` to the global rank point-to-point calls take.
 
     Args:
@@ -91,7 +91,7 @@ def flat_view(tensor: torch.Tensor):
 
 
 def exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int,
-             group=None, tag: int = 0) -> list:
+             group: dist.ProcessGroup | None = None, tag: int = 0) -> list:
     """Start sending ``send`` to ``dst`` while receiving into ``recv`` from ``src``.
 
     Both directions go in one ``dist.batch_isend_irecv`` call: with NCCL, a
@@ -124,7 +124,18 @@ def exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src
 def wait_all(works: list) -> None:
     """Wait for every work handle in ``works`` (on GPU: order the current stream after them)."""
     for w in works:
-        w.wait()
+        if w is not None:
+            w.wait()
+
+
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send ``tensor`` to global rank ``dst`` and wait until it has gone (a blocking send)."""
+    wait_all([dist.isend(tensor, dst=dst, group=group)])
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Receive into ``tensor`` from global rank ``src``, waiting for the data (a blocking receive)."""
+    wait_all([dist.irecv(tensor, src=src, group=group)])
 
 
 class CompletedWork:

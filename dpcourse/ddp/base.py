@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 
 from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp import guards
@@ -77,6 +78,9 @@ class DataParallelBase(nn.Module):
             communication) and ``"sync_end"`` on it at each synchronisation.
     """
 
+    _hook_handles: list[RemovableHandle]
+    _step_guard: RemovableHandle
+
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
                  all_reduce: AllReduce | None = None):
         super().__init__()
@@ -106,7 +110,7 @@ class DataParallelBase(nn.Module):
         previous = getattr(self.module, "_dpcourse_wrapper", None)
         if previous is not None and previous() is not None:
             previous()._remove_hooks()
-        self.module._dpcourse_wrapper = weakref.ref(self)
+        setattr(self.module, "_dpcourse_wrapper", weakref.ref(self))
         me = weakref.ref(self)  # hooks must not keep a discarded wrapper alive
 
         def make_hook(index):

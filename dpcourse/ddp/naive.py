@@ -46,6 +46,7 @@ class DataParallelNaive(DataParallelBase):
     def _reduce(self) -> None:
         for _, p in self._named_params:
             grad = p.grad
+            assert grad is not None  # every parameter has one: checked before reducing
             # Collectives need contiguous memory; a strided gradient is reduced via a copy.
             buf = grad if grad.is_contiguous() else grad.contiguous()
             # Divide BEFORE summing (as torch DDP does): the sum of N already-scaled

@@ -24,7 +24,7 @@ import socket
 import sys
 
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
-from dpcourse.launch.procs import STARTUP_TIMEOUT, Launch
+from dpcourse.launch.procs import STARTUP_TIMEOUT, Launch, LaunchSpec
 
 DEFAULT_TIMEOUT = 120.0
 LOOPBACK = "127.0.0.1"
@@ -41,7 +41,7 @@ def resolve_backend(backend: str = "auto", world_size: int | None = None) -> tup
     Returns:
         ``(backend, world_size)``.
     """
-    import torch
+    from dpcourse.device import visible_gpus  # imports torch
 
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r}: use 'auto', 'gloo' (CPU) or 'nccl' (GPU).")
@@ -49,7 +49,7 @@ def resolve_backend(backend: str = "auto", world_size: int | None = None) -> tup
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}.")
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}.")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     if backend == "auto":
         backend = "nccl" if gpus >= 1 and (world_size is None or world_size <= gpus) else "gloo"
     if world_size is None:
@@ -152,11 +152,12 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto",
     store = launch = failure = None
     try:
         store = _loopback_store()
-        spec = {"call": call, "world_size": world_size, "backend": backend, "host": LOOPBACK,
-                "port": store.port, "prefix": "dpcourse", "timeout": timeout,
-                # Longer than ours (startup included): a hang is caught by the launcher,
-                # which shows where every waiting rank is, not by one rank's gloo error.
-                "pg_timeout": timeout + STARTUP_TIMEOUT, "sys_path": list(sys.path)}
+        spec = LaunchSpec(call=call, world_size=world_size, backend=backend, host=LOOPBACK,
+                          port=store.port, timeout=timeout,
+                          # Longer than ours (startup included): a hang is caught by the
+                          # launcher, which shows where every waiting rank is, not by one
+                          # rank's gloo error.
+                          pg_timeout=timeout + STARTUP_TIMEOUT, sys_path=list(sys.path))
         launch = Launch(spec, timeout, prefix_output)
         launch.start()
         return launch.wait()

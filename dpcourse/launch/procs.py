@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 from dpcourse.launch.env import worker_env
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
@@ -27,12 +28,38 @@ SHUTDOWN_GRACE = 30.0
 STARTUP_TIMEOUT = 120.0
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What every rank of one launch needs, written to ``WORKDIR/payload.pkl``.
+
+    Attributes:
+        call: ``cloudpickle.dumps((fn, args, kwargs))``.
+        world_size: number of ranks.
+        backend: ``"gloo"`` or ``"nccl"``.
+        host, port: the rendezvous store (loopback).
+        timeout: seconds ``fn`` may run once every rank has joined.
+        pg_timeout: the process group's own timeout (longer, so the launcher reports a hang).
+        sys_path: the launching process's ``sys.path`` (where ``fn``'s module is found).
+        prefix: key prefix inside the store.
+    """
+
+    call: bytes
+    world_size: int
+    backend: str
+    host: str
+    port: int
+    timeout: float
+    pg_timeout: float
+    sys_path: list[str] = field(default_factory=list)
+    prefix: str = "dpcourse"
+
+
 class Launch:
     """One launch: processes, output relay, result collection, cleanup."""
 
-    def __init__(self, spec: dict, timeout: float, prefix_output: bool):
+    def __init__(self, spec: LaunchSpec, timeout: float, prefix_output: bool):
         self.spec, self.timeout = spec, timeout
-        self.world_size = spec["world_size"]
+        self.world_size = spec.world_size
         self.workdir = tempfile.mkdtemp(prefix="dpcourse-")
         self.procs: list[subprocess.Popen] = []
         self.results: dict[int, dict] = {}

@@ -6,7 +6,8 @@ cannot leak in and a function defined in a notebook cell arrives by value
 
 Protocol with the launching process (see :mod:`dpcourse.launch.procs`):
 
-* ``WORKDIR/payload.pkl`` holds the call and the launch settings;
+* ``WORKDIR/payload.pkl`` holds the call and the launch settings
+  (:class:`dpcourse.launch.procs.LaunchSpec`);
 * the rank creates ``WORKDIR/rank{r}.joined`` once it is in the process group
   (the launcher's timeout counts from when every rank has joined);
 * the rank writes ``WORKDIR/rank{r}.result`` (atomically) when ``fn`` returned
@@ -91,28 +92,28 @@ def _to_cpu(obj):
     return obj
 
 
-def _init_process_group(spec: dict, rank: int) -> None:
+def _init_process_group(spec, rank: int) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    world_size = spec["world_size"]
+    world_size = spec.world_size
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size),
-                      MASTER_ADDR=spec["host"], MASTER_PORT=str(spec["port"]))
+                      MASTER_ADDR=spec.host, MASTER_PORT=str(spec.port))
     kwargs = {}
-    if spec["backend"] == "nccl":
+    if spec.backend == "nccl":
         torch.cuda.set_device(rank)
         kwargs["device_id"] = torch.device("cuda", rank)
     else:
         # Ranks share the CPU cores: without this each one starts a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    store = dist.TCPStore(spec["host"], spec["port"], world_size=None, is_master=False,
-                          timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
-    store = dist.PrefixStore(spec["prefix"], store)
-    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=spec["pg_timeout"]), **kwargs)
+    store = dist.TCPStore(spec.host, spec.port, world_size=None, is_master=False,
+                          timeout=datetime.timedelta(seconds=spec.pg_timeout))
+    store = dist.PrefixStore(spec.prefix, store)
+    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=spec.pg_timeout), **kwargs)
 
 
 def _failure(exc: BaseException, phase: str) -> dict:
@@ -131,9 +132,9 @@ def _call(workdir: str, rank: int, result_path: str) -> bool:
     phase = "load"
     try:
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
-            spec = pickle.load(f)
-        sys.path[:] = spec["sys_path"]
-        fn, args, kwargs = pickle.loads(spec["call"])
+            spec = pickle.load(f)  # a dpcourse.launch.procs.LaunchSpec
+        sys.path[:] = spec.sys_path
+        fn, args, kwargs = pickle.loads(spec.call)
         phase = "init"
         _init_process_group(spec, rank)
         open(os.path.join(workdir, f"rank{rank}.joined"), "w").close()
