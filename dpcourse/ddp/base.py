@@ -63,10 +63,10 @@ class DataParallelBase(nn.Module):
     """Shared machinery of the wrappers; subclasses implement how gradients are reduced.
 
     Subclasses override :meth:`_reduce` (average every gradient; once per
-    synchronisation) and may override :meth:`_grad_accumulated` (every gradient,
-    also inside ``no_sync``), :meth:`_grad_ready` (every gradient of a
-    synchronised backward) and :meth:`_abort` (drop the state of a backward that
-    did not complete).
+    synchronisation) and may override :meth:`_start_backward` (a synchronised
+    backward begins), :meth:`_grad_accumulated` (every gradient, also inside
+    ``no_sync``), :meth:`_grad_ready` (every gradient of a synchronised backward)
+    and :meth:`_abort` (drop the state of a backward that did not complete).
 
     Attributes:
         module: the wrapped model.
@@ -138,6 +138,7 @@ class DataParallelBase(nn.Module):
             guards.check_backward_start(self)
             self._forward_pending = False
             self._in_backward = True
+            self._start_backward()
             Variable._execution_engine.queue_callback(self._backward_end)
         self._unsynced.add(index)
         self._grad_accumulated(index, param)
@@ -154,6 +155,9 @@ class DataParallelBase(nn.Module):
             self.trace.mark("sync_end")
 
     # -- what subclasses fill in -------------------------------------------
+    def _start_backward(self) -> None:
+        """Reset per-backward state (first gradient of a synchronised backward)."""
+
     def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
         """A gradient was accumulated into ``param.grad`` (with or without sync)."""
 

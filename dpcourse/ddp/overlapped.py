@@ -9,7 +9,8 @@ for the outstanding work handles. A step then costs about
 ``max(compute, communication)`` instead of their sum, apart from the last
 bucket, which can only start when backward is done.
 
-One gradient's path: the hook -> :meth:`DataParallelOverlapped._grad_ready`
+Per backward: :meth:`DataParallelOverlapped._reset_round` when it starts. One
+gradient's path: the hook -> :meth:`DataParallelOverlapped._grad_ready`
 -> ``Bucket.mark_ready`` -> :meth:`DataParallelOverlapped._launch_ready_buckets`
 -> ``Bucket.launch`` -> the all-reduce. At the end of backward,
 :meth:`DataParallelOverlapped._reduce` launches what is left and waits.
@@ -57,7 +58,16 @@ class DataParallelOverlapped(DataParallelBucketed):
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0,
                  group: dist.ProcessGroup | None = None, all_reduce: AllReduce | None = None):
         super().__init__(module, bucket_cap_mb=bucket_cap_mb, group=group, all_reduce=all_reduce)
+        self._reset_round()
+
+    def _reset_round(self) -> None:
+        """Forget the previous synchronisation: every bucket waits for all its gradients again."""
+        for bucket in self.buckets:
+            bucket.reset()  # pending = its number of parameters, counting down; nothing launched
         self._next_bucket = 0  # the next bucket to launch; launches happen in index order
+
+    def _start_backward(self) -> None:
+        self._reset_round()
 
     def _grad_ready(self, index: int, param: nn.Parameter) -> None:
         b, k = self._where[index]
@@ -82,9 +92,7 @@ class DataParallelOverlapped(DataParallelBucketed):
                 bucket.wait()
         finally:
             # 3. Forget this round: every bucket waits for its gradients again.
-            self._abort()
+            self._reset_round()
 
     def _abort(self) -> None:
-        for bucket in self.buckets:
-            bucket.reset()
-        self._next_bucket = 0
+        self._reset_round()
