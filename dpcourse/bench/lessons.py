@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.bench.allreduce import allreduce_sweep
-from dpcourse.bench.cli import SLOW_LINK_ENV, slow_link
+from dpcourse.bench.records import to_json
+from dpcourse.launch.env import SLOW_LINK_ENV, slow_link
 from dpcourse.bench.ddp import _config, _wrap, ddp_step_times
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
 from dpcourse.device import rank_device
@@ -238,7 +239,7 @@ def gpt2_grad_messages(caps=(0, 25, float("inf")), iters: int = 20) -> list[dict
 
 def nvlink_rank(out_dir: str) -> dict:
     """Everything measured over the fast link (2 ranks); call on every rank."""
-    from dpcourse.costmodel.measure import ddp_step_sweep
+    from dpcourse.bench.steps import ddp_step_sweep
 
     out = {"device": device_name(rank_device()), "world_size": dist.get_world_size()}
     out["many_small_messages"] = many_small_messages(2**18)
@@ -291,7 +292,7 @@ def record_timelines(out_dir: str, env: dict) -> int:
         out["slow_link"] = dpcourse.run(timeline_rank, os.path.join(out_dir, "slow"),
                                         world_size=2, timeout=300)
     with open(os.path.join(out_dir, "timelines.json"), "w") as f:
-        json.dump(out, f, default=str)
+        json.dump(out, f, default=to_json)
     return 0
 
 
@@ -342,7 +343,7 @@ def main(argv=None) -> int:
     for lesson, data in per_lesson.items():
         path = os.path.join(out_dir, f"lesson{lesson}-{world_size}x-{gpu}.json")
         with open(path, "w") as f:
-            json.dump(dict(head, lesson=lesson, **data), f, default=str)
+            json.dump(dict(head, lesson=lesson, **data), f, default=to_json)
         print("wrote", path, flush=True)
     return 0
 
