@@ -48,9 +48,8 @@ def test_ring_is_right_but_fails_log_rounds():
 
 
 def test_whole_tensor_swaps_fail_bandwidth_on_a_power_of_two():
-    result = check("halving_doubling", transfer_bugs.all_reduce_recursive_doubling_power_of_two,
-                   world_sizes=(4,), quiet=True)
-    assert set(result.failed()) == {"bandwidth_power_of_two"}
+    result = check("halving_doubling", transfer_bugs.all_reduce_whole_tensor_swaps, quiet=True)
+    assert set(result.failed()) == {"bandwidth_power_of_two", "bounded_bytes_other_sizes"}
     assert "half" in result.criterion("bandwidth_power_of_two").hint
 
 

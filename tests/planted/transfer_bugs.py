@@ -10,18 +10,33 @@ def _swap(send, recv, peer):
         work.wait()
 
 
-def all_reduce_recursive_doubling_power_of_two(tensor, group=None):
-    """Swaps the whole tensor with a partner each round: log2 N rounds, but too many bytes."""
+def all_reduce_whole_tensor_swaps(tensor, group=None):
+    """Pairs ranks a power of two apart, but swaps the whole tensor every round."""
     flat = tensor.view(-1)
     rank, n = dist.get_rank(), dist.get_world_size()
     if flat.numel() == 0:
         return
-    mask = 1
-    while mask < n:  # BUG: whole tensors (and only right when n is a power of two)
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+    if rank < 2 * extra and rank % 2 == 0:  # fold the ranks beyond a power of two
+        dist.send(flat, rank + 1)
+        dist.recv(flat, rank + 1)
+        return
+    if rank < 2 * extra:
         incoming = torch.empty_like(flat)
-        _swap(flat.clone(), incoming, rank ^ mask)
+        dist.recv(incoming, rank - 1)
+        flat += incoming
+    vrank = rank // 2 if rank < 2 * extra else rank - extra
+    mask = 1
+    while mask < p:  # BUG: log2 p rounds, but each sends the whole tensor
+        partner = vrank ^ mask
+        peer = 2 * partner + 1 if partner < extra else partner + extra
+        incoming = torch.empty_like(flat)
+        _swap(flat.clone(), incoming, peer)
         flat += incoming
         mask *= 2
+    if rank < 2 * extra:
+        dist.send(flat, rank - 1)
 
 
 def all_reduce_ring(tensor, group=None):
