@@ -245,3 +245,15 @@ def _nccl_checks() -> dict:
         return {"single": max_diff(_fsdp_run("gpt", "sgd"), ref),
                 "torch": _relative_diff(_fsdp_run("gpt", "sgd"), _torch_run("gpt", "sgd")),
                 "bf16": _bf16_distances("gpt")}
+
+
+def test_bench_ddp_times_the_sharded_variants_beside_torch_ddp():
+    from dpcourse.bench import ddp_step_times
+
+    variants = ["torch_ddp", "zero1", "zero2", "fsdp", "torch_fsdp"]
+    rows = dpcourse.run(ddp_step_times, variants, world_size=2, backend="gloo", iters=1, warmup=1,
+                        batch_size=2)[0]
+    rows = [r if isinstance(r, dict) else r.__dict__ for r in rows]
+    assert [r["variant"] for r in rows] == variants
+    assert all(r["median_s"] > 0 and r["vs_torch_ddp"] > 0 for r in rows)
+    assert all(r["peak_bytes_per_rank"] is None for r in rows)  # measured on GPUs only

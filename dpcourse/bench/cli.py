@@ -78,7 +78,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 8)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--variants", type=parse_list(str),
-                   default=["local", "naive", "bucketed", "overlapped", "torch_ddp"])
+                   default=["local", "naive", "bucketed", "overlapped", "torch_ddp"],
+                   help="also: zero1, zero2, fsdp, torch_fsdp (sharded data parallelism)")
     p.add_argument("--sweep-caps", type=parse_list(float), default=[0, 1, 5, 25, 100],
                    help="bucket sizes (MiB) for the bucket sweep; empty string to skip it")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"])
@@ -161,6 +162,8 @@ def run_ddp(args: argparse.Namespace) -> int:
                                    bucket_cap_mb=args.bucket_cap_mb, **common, **run)[0]
     cols = ["variant", "bucket_cap_mb", "n_buckets", "median_s", "p25_s", "p75_s",
             "vs_torch_ddp", "efficiency", "tokens_per_s"]
+    if any(r.get("peak_bytes_per_rank") for r in rows):  # GPU runs of torch_ddp / sharded variants
+        cols.append("peak_bytes_per_rank")
     r0 = rows[0]
     print(f"training step, {world_size} ranks, {backend}, {r0['device']}, GPT {r0['config']} "
           f"({r0['params']:,} params), batch {r0['batch_size']}x{r0['seq_len']}, amp {r0['amp']}")

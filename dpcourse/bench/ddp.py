@@ -12,10 +12,13 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.bench.records import StepRow
+from dpcourse.bench.sharded import build_variant, measure_memory
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
 from dpcourse.device import rank_device
 
 VARIANTS = ("local", "naive", "bucketed", "overlapped", "torch_ddp")
+# Also accepted (not in the default list): sharded data parallelism, see dpcourse.bench.sharded.
+SHARDED = ("zero1", "zero2", "fsdp", "torch_fsdp")
 CONFIGS = ("gpt2_small", "tiny")
 
 
@@ -47,7 +50,7 @@ def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kw
         # torch reads a cap of 0 as "unset"; a tiny cap gives it one bucket per parameter too.
         return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb or 1e-9,
                                        process_group=group, **(torch_ddp_kwargs or {}))
-    raise ValueError(f"unknown variant {variant!r}: choose from {VARIANTS}.")
+    raise ValueError(f"unknown variant {variant!r}: choose from {VARIANTS + SHARDED}.")
 
 
 def _train_step(model, opt, idx, targets, amp_dtype):
@@ -84,6 +87,13 @@ def _compare(variants, *, config, batch_size, bucket_cap_mb, warmup, iters, grou
     idx, targets = (t.to(device) for t in random_tokens(batch_size, cfg, seed=rank))
     steps, wrapped_models, n_params = {}, {}, 0
     for variant in variants:
+        if variant in SHARDED:  # ZeRO and FSDP build their own optimizer
+            wrapped, opt, own_amp, _ = build_variant(variant, cfg, device,
+                                                     bucket_cap_mb=bucket_cap_mb, group=group)
+            amp_v = amp_dtype if variant in ("zero1", "zero2") else own_amp
+            steps[variant] = _train_step(wrapped, opt, idx, targets, amp_v)
+            wrapped_models[variant] = wrapped
+            continue
         model = GPT(cfg, seed=0).to(device)
         n_params = sum(p.numel() for p in model.parameters())
         wrapped = _wrap(variant, model, device, bucket_cap_mb, group, torch_ddp_kwargs)
@@ -92,21 +102,37 @@ def _compare(variants, *, config, batch_size, bucket_cap_mb, warmup, iters, grou
         steps[variant] = _train_step(wrapped, opt, idx, targets, amp_dtype)
         wrapped_models[variant] = wrapped
     times = time_interleaved(steps, warmup=warmup, iters=iters, group=group, device=device)
+    n_buckets = {v: _n_buckets(w) for v, w in wrapped_models.items()}
+    del steps, wrapped_models  # memory is measured with each variant alone
+    peaks = _peak_memory(variants, cfg, device, idx, targets, group)
     rows = []
     for variant in variants:
         timing = summarize(times[variant])
         rows.append(StepRow(
             **timing, variant=variant, bucket_cap_mb=bucket_cap_mb,
-            n_buckets=_n_buckets(wrapped_models[variant]), world_size=world_size,
+            n_buckets=n_buckets[variant], world_size=world_size,
             backend=dist.get_backend(group), device=device_name(device), config=cfg_name,
             params=n_params, batch_size=batch_size, seq_len=cfg.block_size,
             amp=str(amp_dtype).replace("torch.", ""),
-            tokens_per_s=world_size * batch_size * cfg.block_size / timing.median_s))
+            tokens_per_s=world_size * batch_size * cfg.block_size / timing.median_s,
+            peak_bytes_per_rank=peaks.get(variant)))
     _add_ratios(rows)
-    del steps, wrapped_models
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _peak_memory(variants, cfg, device, idx, targets, group) -> dict[str, list[int]]:
+    """On GPUs: each rank's peak memory of every variant that :mod:`.sharded` builds, run alone."""
+    if device.type != "cuda":
+        return {}
+    out = {}
+    for v in [v for v in variants if v in ("torch_ddp",) + SHARDED]:
+        mine = measure_memory(v, cfg, device, idx, targets, group=group)["peak_bytes"]
+        per_rank: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(per_rank, mine, group=group)
+        out[v] = per_rank
+    return out
 
 
 def _add_ratios(rows: list[StepRow]) -> None:

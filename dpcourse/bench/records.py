@@ -83,7 +83,8 @@ class StepRow(Timing):
     """One data-parallel variant's training step (see :func:`~dpcourse.bench.ddp_step_times`).
 
     Attributes:
-        variant: ``local``, ``naive``, ``bucketed``, ``overlapped`` or ``torch_ddp``.
+        variant: ``local``, ``naive``, ``bucketed``, ``overlapped``, ``torch_ddp``, or a
+            sharded one: ``zero1``, ``zero2``, ``fsdp``, ``torch_fsdp``.
         bucket_cap_mb: the bucket cap it ran with.
         n_buckets: its number of buckets (None for variants without buckets or torch's).
         world_size, backend, device: where it ran.
@@ -91,6 +92,9 @@ class StepRow(Timing):
         tokens_per_s: tokens processed per second over all ranks.
         vs_torch_ddp: this median / torch DDP's (None without torch DDP in the run).
         efficiency: local median / this median (None without ``local``).
+        peak_bytes_per_rank: on GPUs, for ``torch_ddp`` and the sharded variants, each rank's
+            peak ``torch.cuda.max_memory_allocated`` over a few steps of this variant alone
+            (see :func:`dpcourse.bench.sharded.measure_memory`); else None.
     """
 
     variant: str = ""
@@ -107,6 +111,7 @@ class StepRow(Timing):
     tokens_per_s: float = 0.0
     vs_torch_ddp: float | None = None
     efficiency: float | None = None
+    peak_bytes_per_rank: list[int] | None = None
 
 
 @dataclass(eq=True)
