@@ -148,6 +148,19 @@ def test_kernels_refuse_cpu_tensors_with_a_clear_error():
         two_shot_all_reduce(torch.ones(3))
 
 
+def test_benchmarks_know_the_kernel_rows():
+    from dpcourse.bench.allreduce import _resolve
+    from dpcourse.bench.ddp import KERNEL_VARIANTS, _wrap
+
+    rows = ["one_shot", "two_shot", "two_shot_symm", "torch_one_shot", "torch_two_shot"]
+    assert list(_resolve(["library"] + rows)) == ["library"] + rows
+    with pytest.raises(ValueError, match="two_shot_symm"):
+        _resolve(["three_shot"])
+    assert KERNEL_VARIANTS == ("overlapped_one_shot", "overlapped_two_shot")
+    with pytest.raises(ValueError, match="overlapped_two_shot"):
+        _wrap("overlapped_three_shot", torch.nn.Linear(2, 2), torch.device("cpu"), 25.0, None, None)
+
+
 def test_multicast_stays_off(monkeypatch):
     from dpcourse.comm.kernels import require_multicast_off
 

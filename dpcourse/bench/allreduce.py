@@ -34,8 +34,13 @@ def _resolve(impls) -> dict:
     out = {}
     for name in impls:
         if name not in known:
-            raise ValueError(f"unknown all-reduce impl {name!r}: choose from {sorted(known)} "
-                             "or pass a dict {name: fn}.")
+            from dpcourse.comm.kernels.bench_impls import kernel_impls  # GPU-only rows
+
+            gpu = kernel_impls()
+            if name not in gpu:
+                raise ValueError(f"unknown all-reduce impl {name!r}: choose from "
+                                 f"{sorted(known) + sorted(gpu)} or pass a dict {{name: fn}}.")
+            known[name] = gpu[name]
         out[name] = known[name]
     return out
 

@@ -66,7 +66,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-size", type=parse_size, default=None,
                    help="default 1G on GPU, 64M on CPU")
     p.add_argument("--impls", type=parse_list(str), default=["library", "ring"],
-                   help="comma-separated: library, ring, naive")
+                   help="comma-separated: library, ring, naive; on GPUs joined by NVLink also "
+                   "one_shot, two_shot, two_shot_symm, torch_one_shot, torch_two_shot "
+                   "(dpcourse.comm.kernels.bench_impls)")
     p.add_argument("--dtype", default="float32",
                    choices=["float32", "float16", "bfloat16", "float64"])
     p.set_defaults(func=run_allreduce)
@@ -79,7 +81,9 @@ def add_parser(sub) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--variants", type=parse_list(str),
                    default=["local", "naive", "bucketed", "overlapped", "torch_ddp"],
-                   help="also: zero1, zero2, fsdp, torch_fsdp (sharded data parallelism)")
+                   help="also: zero1, zero2, fsdp, torch_fsdp (sharded data parallelism); "
+                   "on GPUs joined by NVLink overlapped_one_shot, overlapped_two_shot (our "
+                   "wrapper with the NVLink kernels)")
     p.add_argument("--sweep-caps", type=parse_list(float), default=[0, 1, 5, 25, 100],
                    help="bucket sizes (MiB) for the bucket sweep; empty string to skip it")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"])

@@ -19,6 +19,7 @@ from dpcourse.device import rank_device
 VARIANTS = ("local", "naive", "bucketed", "overlapped", "torch_ddp")
 # Also accepted (not in the default list): sharded data parallelism, see dpcourse.bench.sharded.
 SHARDED = ("zero1", "zero2", "fsdp", "torch_fsdp")
+KERNEL_VARIANTS = ("overlapped_one_shot", "overlapped_two_shot")  # GPUs joined by NVLink only
 CONFIGS = ("gpt2_small", "tiny")
 
 
@@ -43,6 +44,12 @@ def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kw
         return ddp.DataParallelBucketed(model, bucket_cap_mb=bucket_cap_mb, group=group)
     if variant == "overlapped":
         return ddp.DataParallelOverlapped(model, bucket_cap_mb=bucket_cap_mb, group=group)
+    if variant in KERNEL_VARIANTS:  # our NVLink kernels plugged in through all_reduce= (GPU)
+        from dpcourse.comm import kernels
+
+        fn = getattr(kernels, variant[len("overlapped_"):] + "_all_reduce")
+        return ddp.DataParallelOverlapped(model, bucket_cap_mb=bucket_cap_mb, group=group,
+                                          all_reduce=fn)
     if variant == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -50,7 +57,8 @@ def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kw
         # torch reads a cap of 0 as "unset"; a tiny cap gives it one bucket per parameter too.
         return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb or 1e-9,
                                        process_group=group, **(torch_ddp_kwargs or {}))
-    raise ValueError(f"unknown variant {variant!r}: choose from {VARIANTS + SHARDED}.")
+    raise ValueError(f"unknown variant {variant!r}: choose from "
+                     f"{VARIANTS + SHARDED + KERNEL_VARIANTS}.")
 
 
 def _train_step(model, opt, idx, targets, amp_dtype):
@@ -150,7 +158,8 @@ def ddp_step_times(variants=VARIANTS, *, config: str = "auto", batch_size: int |
     """Time one training step (forward, backward, AdamW step) per variant; call on every rank.
 
     Args:
-        variants: names from ``("local", "naive", "bucketed", "overlapped", "torch_ddp")``.
+        variants: names from ``("local", "naive", "bucketed", "overlapped", "torch_ddp")``,
+            and on GPUs joined by NVLink :data:`KERNEL_VARIANTS`.
         config: ``"gpt2_small"`` (~124M parameters), ``"tiny"``, or ``"auto"`` (GPT-2 small
             on GPU, tiny on CPU).
         batch_size: sequences per rank per step (default 8; sequence length is the config's).
