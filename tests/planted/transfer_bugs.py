@@ -278,8 +278,11 @@ def shard_sizes_extra_last(n, world_size):
 
 def _save(path, model, optimizer, sampler, step, *, all_rngs=True, barrier=True, everyone=False,
           epoch=True):
-    rng = [None] * dist.get_world_size()
-    dist.all_gather_object(rng, torch.get_rng_state())
+    mine, rng = torch.get_rng_state(), []
+    for src in range(dist.get_world_size()):
+        state = mine.clone() if src == dist.get_rank() else torch.empty_like(mine)
+        dist.broadcast(state, src=src)
+        rng.append(state)
     if not all_rngs:
         rng = [rng[0]] * len(rng)
     if dist.get_rank() == 0 or everyone:
