@@ -321,3 +321,9 @@ def save_on_every_rank(path, model, optimizer, sampler, step):
 def save_without_epoch(path, model, optimizer, sampler, step):
     """Forgets the sampler's epoch."""
     _save(path, model, optimizer, sampler, step, epoch=False)  # BUG: the shuffle restarts
+
+
+def shard_sizes(n, world_size):
+    """Correct shard sizes (the ones tensor_split cuts), for the planted mean-gradient bugs."""
+    base, extra = divmod(n, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
