@@ -35,17 +35,24 @@ def train_under_join(model, name: str, batches, divide: bool, no_sync_every: int
     return state_of(model)
 
 
-def join_against_torch(counts: list[int], cases: list[tuple]) -> dict:
-    """For each ``(kind, model, divide, kwargs)``: final states of ours and of torch DDP under Join."""
+def join_against_torch(counts: list[int], cases: dict) -> dict:
+    """Final states of ours and of torch DDP under Join, per case.
+
+    Each case is ``(kind, model, divide_by_initial_world_size, wrapper kwargs, hook, no_sync_every)``.
+    """
+    from hook_helpers import hook_and_state
+
     rank = dist.get_rank()
     out = {}
-    for kind, name, divide, kwargs in cases:
+    for key, (kind, name, divide, kwargs, hook, no_sync_every) in cases.items():
         batches = batches_of(name, rank, counts[rank])
         base = make_model(name)
         ours = make_wrapper(kind, copy.deepcopy(base), **kwargs)
-        ref = torch.nn.parallel.DistributedDataParallel(
-            copy.deepcopy(base), **({"bucket_cap_mb": kwargs["bucket_cap_mb"]}
-                                   if "bucket_cap_mb" in kwargs else {}))
-        out[(kind, name, divide)] = {"ours": train_under_join(ours, name, batches, divide),
-                                     "ddp": train_under_join(ref, name, batches, divide)}
+        cap = {"bucket_cap_mb": kwargs["bucket_cap_mb"]} if "bucket_cap_mb" in kwargs else {}
+        ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), **cap)
+        if hook:
+            ours.register_comm_hook(*hook_and_state(hook))
+            ref.register_comm_hook(*hook_and_state(hook, for_torch=True))
+        out[key] = {"ours": train_under_join(ours, name, batches, divide, no_sync_every),
+                    "ddp": train_under_join(ref, name, batches, divide, no_sync_every)}
     return out

@@ -59,7 +59,7 @@ def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = 
         dist.broadcast(t.detach(), src=src, group=group)
 
 
-class DataParallelBase(nn.Module):
+class DataParallelBase(nn.Module, JoinableWrapper):
     """Shared machinery of the wrappers; subclasses implement how gradients are reduced.
 
     Subclasses override :meth:`_reduce` (average every gradient; once per
@@ -140,7 +140,13 @@ class DataParallelBase(nn.Module):
             self._in_backward = True
             self._start_backward()
             Variable._execution_engine.queue_callback(self._backward_end)
+            # Parameters the forward did not use will get no gradient: their slots
+            # (zeros) are ready now, so their buckets need not wait (torch does the same).
+            for i in sorted(self._unused_at_forward - self._unsynced):
+                self._unsynced.add(i)
+                self._grad_ready(i, self._named_params[i][1])
         self._unsynced.add(index)
+        self._used.add(index)
         self._grad_accumulated(index, param)
         if self._sync_this_backward:  # inside no_sync the gradient stays local
             self._grad_ready(index, param)
@@ -205,8 +211,25 @@ class DataParallelBase(nn.Module):
             raise
         try:
             self._reduce()
+            if self.find_unused_parameters or self.static_graph:
+                self._forget_globally_unused()
         finally:
             self._unsynced.clear()
+            self._used.clear()
+            self._grad_was_none.clear()
+
+    def _forget_globally_unused(self) -> None:
+        """Give back ``None`` gradients to parameters no rank used, so optimizers skip them."""
+        if self.static_graph and self._static_unused is not None:
+            unused = self._static_unused[1]  # a static graph: the first step's answer holds
+        else:
+            unused = globally_unused(self._used, len(self._named_params), self.join_device,
+                                     self.group)
+            if self.static_graph:
+                local = set(range(len(self._named_params))) - self._used
+                self._static_unused = (local, unused)
+        for i in unused & self._grad_was_none:
+            self._named_params[i][1].grad = None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -236,10 +259,37 @@ class DataParallelBase(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    def register_comm_hook(self, state, hook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
+
+        Same contract as ``DistributedDataParallel.register_comm_hook``: the hook gets
+        a :class:`~dpcourse.ddp.comm_hooks.GradBucket` and returns a
+        ``torch.futures.Future`` of the reduced flat tensor; torch's hooks in
+        ``torch.distributed.algorithms.ddp_comm_hooks`` work unchanged. The wrapper
+        does not divide by the world size first: the hook owns the reduction.
+
+        Args:
+            state: passed to every call (e.g. a process group, ``None``, or a ``PowerSGDState``).
+            hook: the function ``hook(state, bucket) -> Future[Tensor]``.
+        """
+        if self._comm_hook is not None:
+            raise RuntimeError("a communication hook is already registered on this wrapper; "
+                               "it can be registered only once (as in torch DDP). Wrap the "
+                               "module in a new wrapper to use another hook.")
+        check_comm_hook(hook)
+        self._comm_hook, self._comm_hook_state = hook, state
+
+    def _shadow_reduce(self) -> None:
+        """Issue this wrapper's gradient collectives on zeros (a joined rank's share)."""
+        raise NotImplementedError
+
     @torch.no_grad()
     def _broadcast_buffers(self) -> None:
-        src = _group_src(self.group)
-        for b in self.module.buffers():
+        buffers = list(self.module.buffers())
+        if not (self.broadcast_buffers and buffers):
+            return
+        src = self._buffer_src()
+        for b in buffers:
             dist.broadcast(b, src=src, group=self.group)
 
     def forward(self, *args, **kwargs):
@@ -248,12 +298,35 @@ class DataParallelBase(nn.Module):
         if self._in_backward:  # the previous backward raised before finishing
             self._in_backward = False
             self._abort()
+        self._join_pre_forward()
         # torch DDP's rule (broadcast_buffers=True): buffers follow rank 0 before a
         # forward, unless the previous forward was inside no_sync or without grad.
         if self._broadcast_buffers_next:
             self._broadcast_buffers()
+        self._join_announce_sync()
         if torch.is_grad_enabled():  # a no-grad forward (evaluation) leaves pending work alone
             self._sync_this_backward = self.require_backward_grad_sync
             self._forward_pending = self._sync_this_backward
+            if self.find_unused_parameters or self.static_graph:
+                self._grad_was_none.update(
+                    i for i, (_, p) in enumerate(self._named_params) if p.grad is None)
+            self._prepare_grads()
         self._broadcast_buffers_next = torch.is_grad_enabled() and self.require_backward_grad_sync
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._unused_at_forward = self._find_unused(output)
+        return output
+
+    def _find_unused(self, output) -> set[int]:
+        """Parameters this forward did not use (only searched for when asked to, as in torch)."""
+        if not (torch.is_grad_enabled() and self._sync_this_backward):
+            return set()
+        if self.static_graph and self._static_unused is not None:
+            return self._static_unused[0]  # found in the first step; no graph walk
+        if self.find_unused_parameters and not self.static_graph:
+            reached = reachable_parameters(output, [p for _, p in self._named_params])
+            return set(range(len(self._named_params))) - reached
+        return set()
+
+    def _prepare_grads(self) -> None:
+        """Get gradients ready before a forward with grad enabled (buckets: point at views)."""

@@ -16,7 +16,9 @@ from torch import nn
 
 from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp.base import DataParallelBase
+from dpcourse.ddp.bucket_order import agree_on_order, assign_buckets_in_order
 from dpcourse.ddp.buckets import check_bucket_cap, make_buckets
+from dpcourse.ddp.comm_hooks import launch_comm_hook
 
 
 class DataParallelBucketed(DataParallelBase):
@@ -40,13 +42,52 @@ class DataParallelBucketed(DataParallelBase):
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0,
                  group: dist.ProcessGroup | None = None, all_reduce: AllReduce | None = None):
         cap = check_bucket_cap(bucket_cap_mb)  # before any communication or hook
-        super().__init__(module, group=group, all_reduce=all_reduce)
+        if first_bucket_mb is not None:
+            check_bucket_cap(first_bucket_mb)
+        super().__init__(module, group=group, all_reduce=all_reduce,
+                         broadcast_buffers=broadcast_buffers,
+                         find_unused_parameters=find_unused_parameters, static_graph=static_graph)
         self.bucket_cap_mb = cap
-        self.buckets, self._where = make_buckets(self._named_params, cap)
+        self.first_bucket_mb = first_bucket_mb
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        # As torch: rebuild once, and not while unused parameters are searched for each step
+        # (their arrival order is not a property of the model then).
+        self._rebuild_pending = bool(rebuild_buckets) and (static_graph or
+                                                           not find_unused_parameters)
+        self._arrival: list[int] = []
+        order = list(reversed(range(len(self._named_params))))
+        assignment = (None if first_bucket_mb is None else assign_buckets_in_order(
+            [p for _, p in self._named_params], order, cap, first_bucket_mb))
+        self.buckets, self._where = make_buckets(self._named_params, cap, assignment)
+
+    def _grad_ready(self, index: int, param: nn.Parameter) -> None:
+        if self._rebuild_pending:
+            self._arrival.append(index)
+
+    @torch.no_grad()
+    def _rebuild(self) -> None:
+        """Rebuild the buckets in the arrival order seen in the first synchronised backward."""
+        self._rebuild_pending = False
+        order = agree_on_order(self._arrival, len(self._named_params), self.group)
+        params = [p for _, p in self._named_params]
+        assignment = assign_buckets_in_order(params, order, self.bucket_cap_mb,
+                                             self.first_bucket_mb)
+        self.buckets, self._where = make_buckets(self._named_params, self.bucket_cap_mb,
+                                                 assignment)
+        if self.gradient_as_bucket_view:  # keep accumulated gradients, now in the new buckets
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    self._point_grad_at_bucket(i, p)
+        self._buckets_rebuilt()
+
+    def _buckets_rebuilt(self) -> None:
+        """Subclasses reset per-bucket state after :meth:`_rebuild`."""
 
     def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
         # Runs once per parameter per backward on autograd's thread: keep the
         # common case (gradient already in its bucket) to two lookups.
+        if not self.gradient_as_bucket_view:
+            return
         b, k = self._where[index]
         if param.grad is not self.buckets[b].views[k]:
             self.buckets[b].attach_grad(k)
@@ -72,11 +113,11 @@ class DataParallelBucketed(DataParallelBase):
                 if p.grad is not view:
                     bucket.attach_grad(k)
 
-    def forward(self, *args, **kwargs):
-        """Run the wrapped module (see :meth:`DataParallelBase.forward`), gradients already in buckets."""
-        if torch.is_grad_enabled() and not self._replaced:
+    def _prepare_grads(self) -> None:
+        if self._rebuild_pending and self._arrival:  # before the second forward, as torch
+            self._rebuild()
+        if self.gradient_as_bucket_view:
             self._attach_grads_to_buckets()
-        return super().forward(*args, **kwargs)
 
     def _reduce(self) -> None:
         for bucket in self.buckets:

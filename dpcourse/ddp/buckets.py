@@ -201,20 +201,24 @@ class Bucket:
             work.wait()
 
 
-def make_buckets(named_params,
-                 bucket_cap_mb: float) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+def make_buckets(named_params, bucket_cap_mb: float,
+                 assignment=None) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
     """Allocate the flat buffers for ``named_params`` and the per-parameter views into them.
 
     Args:
         named_params: ``(name, parameter)`` pairs in registration order.
         bucket_cap_mb: see :func:`assign_buckets`.
+        assignment: the buckets as lists of parameter indices, in reduction order;
+            ``None``: :func:`assign_buckets` with ``bucket_cap_mb``.
 
     Returns:
         ``(buckets, where)``: the buckets in reduction order, and for each parameter
         index ``(bucket index, position inside the bucket)``.
     """
     buckets, where = [], {}
-    for b, indices in enumerate(assign_buckets([p for _, p in named_params], bucket_cap_mb)):
+    if assignment is None:
+        assignment = assign_buckets([p for _, p in named_params], bucket_cap_mb)
+    for b, indices in enumerate(assignment):
         params = [named_params[i][1] for i in indices]
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                              device=params[0].device)

@@ -19,6 +19,7 @@ from torch import nn
 
 from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp.base import DataParallelBase
+from dpcourse.ddp.comm_hooks import launch_comm_hook
 
 
 class DataParallelNaive(DataParallelBase):
@@ -44,15 +45,36 @@ class DataParallelNaive(DataParallelBase):
 
     @torch.no_grad()
     def _reduce(self) -> None:
-        for _, p in self._named_params:
+        divisor = self._gradient_divisor()
+        last = len(self._named_params) - 1
+        for i, (_, p) in enumerate(self._named_params):
+            if p.grad is None:  # unused on this rank (find_unused_parameters): contribute zeros
+                p.grad = torch.zeros_like(p)
             grad = p.grad
             assert grad is not None  # every parameter has one: checked before reducing
             # Collectives need contiguous memory; a strided gradient is reduced via a copy.
             buf = grad if grad.is_contiguous() else grad.contiguous()
+            if self._comm_hook is not None:  # each parameter is a bucket of its own
+                launch_comm_hook(self._comm_hook, self._comm_hook_state, i, buf.view(-1),
+                                 [buf], [p], i == last).wait()
+                if buf is not grad:
+                    grad.copy_(buf)
+                continue
             # Divide BEFORE summing (as torch DDP does): the sum of N already-scaled
             # values stays in the range of one gradient, which matters in fp16/bf16
             # where summing first can overflow. In fp32 either order gives the mean.
-            buf.div_(self.world_size)
+            buf.div_(divisor)
             self.all_reduce(buf)
             if buf is not grad:
                 grad.copy_(buf)
+
+    @torch.no_grad()
+    def _shadow_reduce(self) -> None:
+        last = len(self._named_params) - 1
+        for i, (_, p) in enumerate(self._named_params):
+            zeros = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            if self._comm_hook is not None:
+                launch_comm_hook(self._comm_hook, self._comm_hook_state, i, zeros.view(-1),
+                                 [zeros], [p], i == last).wait()
+            else:
+                self.all_reduce(zeros)
