@@ -183,14 +183,20 @@ def main(out_dir: str) -> int:
               "model": "GPT-2 small, fp32 weights and gradients, bf16 autocast, fused AdamW, "
                        "8 x 1024 tokens per rank; curves: lesson 08's character GPT",
               "environment": env}
+    gpu = slug(env.get("gpus", ["cpu"])[0]) if backend == "nccl" else "cpu"
+    path = os.path.join(out_dir, f"lesson11-{world_size}x-{gpu}.json")
+
+    def save():  # after each launch: a cut-short run keeps what it measured
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+
     record["nvlink"] = dpcourse.run(link_rank, False, world_size=2, timeout=300)[0]
+    save()
     print("fast link done", flush=True)
     with slow_link(True):
         record["slow_link"] = dpcourse.run(link_rank, True, world_size=2, timeout=300)[0]
-    gpu = slug(env.get("gpus", ["cpu"])[0]) if backend == "nccl" else "cpu"
-    path = os.path.join(out_dir, f"lesson11-{world_size}x-{gpu}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1, default=str)
+        record["slow_link"]["nccl_env"] = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    save()
     for link in ("nvlink", "slow_link"):
         for r in record[link]["step"]:
             print(f"{link:9s} {r['variant']:26s} {r['median_s'] * 1e3:8.1f} ms "

@@ -64,13 +64,14 @@ def assign_buckets_in_order(params, order, bucket_cap_mb: float = 25.0,
     return buckets
 
 
-def agree_on_order(order: list[int], num_params: int, group=None) -> list[int]:
+def agree_on_order(order: list[int], num_params: int, device, group=None) -> list[int]:
     """Return rank 0's arrival order on every rank (one broadcast), so all build the same buckets.
 
     Args:
         order: this rank's observed arrival order (a permutation of ``range(num_params)``,
             or a prefix of one: the missing indices are appended in reverse registration order).
         num_params: number of trainable parameters.
+        device: device of the broadcast tensor (a GPU for NCCL).
         group: process group (``None``: the default group).
 
     Returns:
@@ -78,8 +79,6 @@ def agree_on_order(order: list[int], num_params: int, group=None) -> list[int]:
     """
     seen = set(order)
     full = list(order) + [i for i in reversed(range(num_params)) if i not in seen]
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     t = torch.tensor(full, dtype=torch.int64, device=device)
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast(t, src=src, group=group)

@@ -68,7 +68,8 @@ class DataParallelBucketed(DataParallelBase):
     def _rebuild(self) -> None:
         """Rebuild the buckets in the arrival order seen in the first synchronised backward."""
         self._rebuild_pending = False
-        order = agree_on_order(self._arrival, len(self._named_params), self.group)
+        order = agree_on_order(self._arrival, len(self._named_params), self.join_device,
+                               self.group)
         params = [p for _, p in self._named_params]
         assignment = assign_buckets_in_order(params, order, self.bucket_cap_mb,
                                              self.first_bucket_mb)
