@@ -9,8 +9,8 @@ This module does the same on any backend (gloo included), so a CPU lesson can
 show it, with the same collectives per BatchNorm layer and step:
 
 * forward: one all-reduce of ``[sum x, sum x^2, count]`` per channel;
-* backward: one all-reduce of the gradient of those sums (the autograd of the
-  differentiable ``torch.distributed.nn.functional.all_reduce``).
+* backward: one all-reduce of the gradient of those sums (:class:`AllReduceSum`'s
+  backward: the gradient of a sum over ranks is the sum of the ranks' gradients).
 
 torch's version moves the same information with an all-gather in forward and an
 all-reduce in backward (``torch/nn/modules/_functions.py``).
@@ -20,9 +20,26 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class AllReduceSum(torch.autograd.Function):
+    """Sum a tensor over ranks in forward; sum its gradient over ranks in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        # Each rank's loss depends on every rank's sums: their gradients add up.
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -53,7 +70,7 @@ class SyncBatchNorm(_BatchNorm):
         count = torch.full((self.num_features,), x.numel() / self.num_features,
                            dtype=x.dtype, device=x.device)
         local = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        total = dist_fn.all_reduce(local, group=self.process_group)  # differentiable sum
+        total = AllReduceSum.apply(local, self.process_group)
         s, ss, n = total.split(self.num_features)
         mean = s / n
         var = ss / n - mean * mean  # biased variance normalises, as in BatchNorm
