@@ -11,7 +11,7 @@ from torch import nn
 
 from dpcourse.comm import CommTrace
 from dpcourse.data import shard_batch
-from dpcourse.models import UnusedLayerMLP
+from fixture_models import UnusedLayerMLP
 from ddp_helpers import GLOBAL_BATCH, global_batch, loss_of, make_model, make_wrapper, state_of
 from hook_helpers import hook_and_state
 

@@ -14,7 +14,7 @@ import dpcourse
 from dpcourse.comm import CommTrace
 from dpcourse.data import shard_batch
 from dpcourse.ddp.sync_batchnorm import convert_sync_batchnorm
-from dpcourse.models import BatchNormMLP
+from fixture_models import BatchNormMLP
 from ddp_helpers import global_batch, make_wrapper, state_of
 
 

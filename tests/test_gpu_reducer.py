@@ -14,7 +14,7 @@ from torch.distributed.algorithms import Join
 
 import dpcourse
 from dpcourse.data import shard_batch
-from dpcourse.models import BatchNormMLP
+from fixture_models import BatchNormMLP
 from ddp_helpers import global_batch, loss_of, make_wrapper, state_of
 from hook_helpers import hook_and_state
 from reducer_helpers import build

@@ -19,7 +19,11 @@ the same one torch's reducer relies on:
    buckets, or waiting for communication already started from the hooks.
 
 The checks (wrong model, backward without forward, missing gradients, a step on
-unsynchronised gradients) live in :mod:`dpcourse.ddp.guards`.
+unsynchronised gradients) live in :mod:`dpcourse.ddp.guards`. What torch DDP adds
+on top, with torch's option names, lives in its own modules: uneven inputs under
+``Join`` (:mod:`~dpcourse.ddp.join`), communication hooks
+(:mod:`~dpcourse.ddp.comm_hooks`), unused parameters and static graphs
+(:mod:`~dpcourse.ddp.unused`).
 
 Reference: ``torch/nn/parallel/distributed.py`` and the "DDP internal design"
 notes (https://pytorch.org/docs/stable/notes/ddp.html).
@@ -39,6 +43,9 @@ from torch.utils.hooks import RemovableHandle
 
 from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp import guards
+from dpcourse.ddp.comm_hooks import check_comm_hook
+from dpcourse.ddp.join import JoinableWrapper
+from dpcourse.ddp.unused import globally_unused, reachable_parameters
 
 
 def _group_src(group: dist.ProcessGroup | None) -> int:
@@ -73,6 +80,12 @@ class DataParallelBase(nn.Module, JoinableWrapper):
         group: the process group (``None``: the default group).
         world_size: number of ranks in ``group``.
         require_backward_grad_sync: False inside :meth:`no_sync`.
+        broadcast_buffers: copy the authoritative rank's buffers to every rank before
+            each forward (torch DDP's default; under ``Join``, a rank still training).
+        find_unused_parameters: after each forward, find the parameters it did not use
+            (an autograd-graph walk) and reduce zeros for them.
+        static_graph: the same parameters are used every step: find the unused ones in
+            the first step only.
         trace: optionally a :class:`dpcourse.comm.CommTrace`; when set, the wrapper
             marks ``"backward_end"`` (every gradient computed, before waiting for
             communication) and ``"sync_end"`` on it at each synchronisation.
@@ -82,9 +95,20 @@ class DataParallelBase(nn.Module, JoinableWrapper):
     _step_guard: RemovableHandle
 
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
-                 all_reduce: AllReduce | None = None):
-        super().__init__()
+                 all_reduce: AllReduce | None = None, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False, static_graph: bool = False):
+        nn.Module.__init__(self)
         params = guards.check_wrappable(module, group, all_reduce)
+        self._init_join()
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.static_graph = bool(static_graph)
+        self._comm_hook: Any = None
+        self._comm_hook_state: Any = None
+        self._unused_at_forward: set[int] = set()  # marked ready when backward starts
+        self._used: set[int] = set()               # got a gradient since the last sync
+        self._grad_was_none: set[int] = set()      # had no .grad before this step's forwards
+        self._static_unused: tuple[set[int], set[int]] | None = None  # (locally, globally)
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -140,8 +164,8 @@ class DataParallelBase(nn.Module, JoinableWrapper):
             self._in_backward = True
             self._start_backward()
             Variable._execution_engine.queue_callback(self._backward_end)
-            # Parameters the forward did not use will get no gradient: their slots
-            # (zeros) are ready now, so their buckets need not wait (torch does the same).
+            # Parameters the forward did not use get no gradient: their slots (zeros)
+            # are ready now, so their buckets need not wait (torch's reducer does the same).
             for i in sorted(self._unused_at_forward - self._unsynced):
                 self._unsynced.add(i)
                 self._grad_ready(i, self._named_params[i][1])
@@ -173,6 +197,13 @@ class DataParallelBase(nn.Module, JoinableWrapper):
     def _reduce(self) -> None:
         raise NotImplementedError
 
+    def _shadow_reduce(self) -> None:
+        """Issue this wrapper's gradient collectives on zeros (a joined rank's share)."""
+        raise NotImplementedError
+
+    def _prepare_grads(self) -> None:
+        """Get gradients ready before a forward with grad enabled (buckets: point at views)."""
+
     def _abort(self) -> None:
         """Drop in-flight state after a backward that did not complete."""
 
@@ -203,6 +234,9 @@ class DataParallelBase(nn.Module, JoinableWrapper):
         """
         if not self._unsynced:
             return
+        if self.find_unused_parameters or self.static_graph:
+            # Unused here, maybe used elsewhere: reduce their (zero) slots like the rest.
+            self._unsynced.update(range(len(self._named_params)))
         try:
             guards.check_all_gradients(self)
         except RuntimeError:
@@ -230,6 +264,26 @@ class DataParallelBase(nn.Module, JoinableWrapper):
                 self._static_unused = (local, unused)
         for i in unused & self._grad_was_none:
             self._named_params[i][1].grad = None
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
+
+        Same contract as ``DistributedDataParallel.register_comm_hook``: the hook gets
+        a :class:`~dpcourse.ddp.comm_hooks.GradBucket` and returns a
+        ``torch.futures.Future`` of the reduced flat tensor; torch's hooks in
+        ``torch.distributed.algorithms.ddp_comm_hooks`` work unchanged. The wrapper
+        does not divide by the world size first: the hook owns the reduction.
+
+        Args:
+            state: passed to every call (e.g. a process group, ``None``, or a ``PowerSGDState``).
+            hook: the function ``hook(state, bucket) -> Future[Tensor]``.
+        """
+        if self._comm_hook is not None:
+            raise RuntimeError("a communication hook is already registered on this wrapper; "
+                               "it can be registered only once (as in torch DDP). Wrap the "
+                               "module in a new wrapper to use another hook.")
+        check_comm_hook(hook)
+        self._comm_hook, self._comm_hook_state = hook, state
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -259,30 +313,6 @@ class DataParallelBase(nn.Module, JoinableWrapper):
         finally:
             self.require_backward_grad_sync = old
 
-    def register_comm_hook(self, state, hook) -> None:
-        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
-
-        Same contract as ``DistributedDataParallel.register_comm_hook``: the hook gets
-        a :class:`~dpcourse.ddp.comm_hooks.GradBucket` and returns a
-        ``torch.futures.Future`` of the reduced flat tensor; torch's hooks in
-        ``torch.distributed.algorithms.ddp_comm_hooks`` work unchanged. The wrapper
-        does not divide by the world size first: the hook owns the reduction.
-
-        Args:
-            state: passed to every call (e.g. a process group, ``None``, or a ``PowerSGDState``).
-            hook: the function ``hook(state, bucket) -> Future[Tensor]``.
-        """
-        if self._comm_hook is not None:
-            raise RuntimeError("a communication hook is already registered on this wrapper; "
-                               "it can be registered only once (as in torch DDP). Wrap the "
-                               "module in a new wrapper to use another hook.")
-        check_comm_hook(hook)
-        self._comm_hook, self._comm_hook_state = hook, state
-
-    def _shadow_reduce(self) -> None:
-        """Issue this wrapper's gradient collectives on zeros (a joined rank's share)."""
-        raise NotImplementedError
-
     @torch.no_grad()
     def _broadcast_buffers(self) -> None:
         buffers = list(self.module.buffers())
@@ -293,7 +323,12 @@ class DataParallelBase(nn.Module, JoinableWrapper):
             dist.broadcast(b, src=src, group=self.group)
 
     def forward(self, *args, **kwargs):
-        """Run the wrapped module; broadcast rank 0's buffers first, as torch DDP does."""
+        """Run the wrapped module; broadcast rank 0's buffers first, as torch DDP does.
+
+        The collectives of a forward, in torch DDP's order (a rank that joined under
+        ``Join`` issues the same ones, see :mod:`dpcourse.ddp.join`): the "not joined"
+        flag, the buffer broadcast, the "will sync gradients" flag.
+        """
         guards.check_forward(self)
         if self._in_backward:  # the previous backward raised before finishing
             self._in_backward = False
@@ -317,9 +352,9 @@ class DataParallelBase(nn.Module, JoinableWrapper):
             self._unused_at_forward = self._find_unused(output)
         return output
 
-    def _find_unused(self, output) -> set[int]:
-        """Parameters this forward did not use (only searched for when asked to, as in torch)."""
-        if not (torch.is_grad_enabled() and self._sync_this_backward):
+    def _find_unused(self, output: Any) -> set[int]:
+        """Parameters this forward did not use (searched for only when asked to, as in torch)."""
+        if not self._sync_this_backward:
             return set()
         if self.static_graph and self._static_unused is not None:
             return self._static_unused[0]  # found in the first step; no graph walk
@@ -327,6 +362,3 @@ class DataParallelBase(nn.Module, JoinableWrapper):
             reached = reachable_parameters(output, [p for _, p in self._named_params])
             return set(range(len(self._named_params))) - reached
         return set()
-
-    def _prepare_grads(self) -> None:
-        """Get gradients ready before a forward with grad enabled (buckets: point at views)."""

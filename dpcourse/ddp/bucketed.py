@@ -10,6 +10,8 @@ earlier.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,8 +19,8 @@ from torch import nn
 from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp.base import DataParallelBase
 from dpcourse.ddp.bucket_order import agree_on_order, assign_buckets_in_order
-from dpcourse.ddp.buckets import check_bucket_cap, make_buckets
-from dpcourse.ddp.comm_hooks import launch_comm_hook
+from dpcourse.ddp.buckets import Bucket, check_bucket_cap, make_buckets
+from dpcourse.ddp.comm_hooks import HookWork, launch_comm_hook
 
 
 class DataParallelBucketed(DataParallelBase):
@@ -32,6 +34,16 @@ class DataParallelBucketed(DataParallelBase):
         group: process group to average over (``None``: the default group).
         all_reduce: collective ``fn(tensor, group=None)`` summing in place
             (default ``torch.distributed.all_reduce``).
+        broadcast_buffers, find_unused_parameters, static_graph: as in torch DDP
+            (see :class:`~dpcourse.ddp.base.DataParallelBase`).
+        first_bucket_mb: cap of the first bucket to be reduced (torch: 1 MiB with its
+            default ``bucket_cap_mb``); ``None``: ``bucket_cap_mb``.
+        rebuild_buckets: before the second forward, rebuild the buckets once in the order
+            the gradients arrived in the first synchronised backward (rank 0's order,
+            broadcast), as torch's reducer does (see :mod:`dpcourse.ddp.bucket_order`).
+        gradient_as_bucket_view: ``param.grad`` is a view into its bucket (no second
+            copy of the gradients; torch's default is False, ours True). False keeps
+            separate gradient tensors, copied in and out around each reduction.
 
     Attributes:
         buckets: list of :class:`~dpcourse.ddp.buckets.Bucket` in reduction order
@@ -40,7 +52,10 @@ class DataParallelBucketed(DataParallelBase):
     """
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0,
-                 group: dist.ProcessGroup | None = None, all_reduce: AllReduce | None = None):
+                 group: dist.ProcessGroup | None = None, all_reduce: AllReduce | None = None,
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+                 static_graph: bool = False, first_bucket_mb: float | None = None,
+                 rebuild_buckets: bool = False, gradient_as_bucket_view: bool = True):
         cap = check_bucket_cap(bucket_cap_mb)  # before any communication or hook
         if first_bucket_mb is not None:
             check_bucket_cap(first_bucket_mb)
@@ -50,8 +65,8 @@ class DataParallelBucketed(DataParallelBase):
         self.bucket_cap_mb = cap
         self.first_bucket_mb = first_bucket_mb
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        # As torch: rebuild once, and not while unused parameters are searched for each step
-        # (their arrival order is not a property of the model then).
+        # As torch: rebuild once, and not while unused parameters are searched for every
+        # step (their arrival order is then not a property of the model).
         self._rebuild_pending = bool(rebuild_buckets) and (static_graph or
                                                            not find_unused_parameters)
         self._arrival: list[int] = []
@@ -76,13 +91,14 @@ class DataParallelBucketed(DataParallelBase):
         self.buckets, self._where = make_buckets(self._named_params, self.bucket_cap_mb,
                                                  assignment)
         if self.gradient_as_bucket_view:  # keep accumulated gradients, now in the new buckets
-            for i, p in enumerate(params):
-                if p.grad is not None:
-                    self._point_grad_at_bucket(i, p)
+            for bucket in self.buckets:
+                for k, p in enumerate(bucket.params):
+                    if p.grad is not None:
+                        bucket.attach_grad(k)
         self._buckets_rebuilt()
 
     def _buckets_rebuilt(self) -> None:
-        """Subclasses reset per-bucket state after :meth:`_rebuild`."""
+        """Subclasses reset per-round state after :meth:`_rebuild`."""
 
     def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
         # Runs once per parameter per backward on autograd's thread: keep the
@@ -120,7 +136,77 @@ class DataParallelBucketed(DataParallelBase):
         if self.gradient_as_bucket_view:
             self._attach_grads_to_buckets()
 
+    @torch.no_grad()
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        """Start (or, without ``async_op``, finish) the averaging of one bucket."""
+        if self.gradient_as_bucket_view and self._comm_hook is None:
+            bucket.launch(self.all_reduce, self._gradient_divisor(), async_op=async_op)
+            return
+        if self.gradient_as_bucket_view:
+            for k, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+                if p.grad is not view:
+                    bucket.attach_grad(k)  # param.grad was replaced after backward
+        else:  # separate gradients: copy them in (zeros where unused)
+            for p, view in zip(bucket.params, bucket.views):
+                view.copy_(p.grad) if p.grad is not None else view.zero_()
+        if self._comm_hook is not None:
+            work: Any = launch_comm_hook(self._comm_hook, self._comm_hook_state, bucket.index,
+                                         bucket.buffer, bucket.views, bucket.params,
+                                         bucket.index == len(self.buckets) - 1)
+        else:
+            # Divide BEFORE the sum, as torch DDP does (fp16/bf16 would overflow otherwise).
+            bucket.buffer.div_(self._gradient_divisor())
+            work = self.all_reduce(bucket.buffer, async_op=True)
+        bucket.work = work if self.gradient_as_bucket_view else _CopyOut(work, bucket)
+        bucket.launched = True
+        # A hook may issue more collectives from its future's callbacks (PowerSGD does).
+        # NCCL runs those callbacks at once on this thread; gloo runs them later on its
+        # own thread, where they could interleave with the next bucket's collectives in a
+        # different order on each rank. There, finish each bucket before the next.
+        if not async_op or (isinstance(work, HookWork) and
+                            dist.get_backend(self.group) != "nccl"):
+            bucket.wait()
+
     def _reduce(self) -> None:
         for bucket in self.buckets:
-            bucket.launch(self.all_reduce, self.world_size, async_op=False)
+            self._launch(bucket, async_op=False)
             bucket.reset()
+
+    @torch.no_grad()
+    def _shadow_reduce(self) -> None:
+        works = []
+        for bucket in self.buckets:
+            zeros = torch.zeros_like(bucket.buffer)
+            if self._comm_hook is None:
+                works.append(self.all_reduce(zeros, async_op=True))
+                continue
+            views, offset = [], 0
+            for p in bucket.params:
+                views.append(zeros[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+            work = launch_comm_hook(self._comm_hook, self._comm_hook_state, bucket.index, zeros,
+                                    views, bucket.params, bucket.index == len(self.buckets) - 1)
+            if dist.get_backend(self.group) != "nccl":
+                work.wait()  # see _launch: gloo runs a hook's callbacks on its own thread
+            else:
+                works.append(work)
+        for w in works:
+            if w is not None:
+                w.wait()
+
+
+class _CopyOut:
+    """Wait for a bucket's reduction, then copy the result into the separate ``param.grad``."""
+
+    def __init__(self, work: Any, bucket: Bucket):
+        self.work, self.bucket = work, bucket
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        if self.work is not None:  # None: a custom all_reduce= already finished
+            self.work.wait()
+        for p, view in zip(self.bucket.params, self.bucket.views):
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)

@@ -182,7 +182,8 @@ class Bucket:
 
         Args:
             all_reduce: ``fn(tensor, async_op=...)`` summing over the ranks in place.
-            world_size: number of ranks averaged over.
+            world_size: what the sum is divided by: the number of ranks averaged over
+                (under ``Join``, optionally the ranks still training).
             async_op: keep the work handle (:meth:`wait` waits for it) instead of blocking.
         """
         for k, (p, view) in enumerate(zip(self.params, self.views)):
@@ -202,7 +203,8 @@ class Bucket:
 
 
 def make_buckets(named_params, bucket_cap_mb: float,
-                 assignment=None) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+                 assignment: list[list[int]] | None = None
+                 ) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
     """Allocate the flat buffers for ``named_params`` and the per-parameter views into them.
 
     Args:

@@ -25,7 +25,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 try:
     import numpy as np
 except ImportError:  # numpy is optional for this module
-    np = None
+    np = None  # type: ignore[assignment]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -87,7 +87,7 @@ def check_comm_hook(hook) -> None:
         pass
 
 
-def run_comm_hook(hook, state, bucket: GradBucket) -> torch.futures.Future:
+def run_comm_hook(hook, state, bucket: GradBucket) -> torch._C.Future:
     """Call ``hook(state, bucket)`` and check that it returned a future.
 
     Args:
@@ -110,7 +110,7 @@ def run_comm_hook(hook, state, bucket: GradBucket) -> torch.futures.Future:
 
 
 @torch.no_grad()
-def finish_comm_hook(fut: torch.futures.Future, bucket: GradBucket,
+def finish_comm_hook(fut: torch._C.Future, bucket: GradBucket,
                      buffer: torch.Tensor) -> None:
     """Wait for a hook's future and write its result into the bucket's own ``buffer``.
 
@@ -162,7 +162,7 @@ class HookWork:
         buffer: the wrapper's flat gradient storage the result is copied into.
     """
 
-    def __init__(self, fut: torch.futures.Future, bucket: GradBucket, buffer: torch.Tensor):
+    def __init__(self, fut: torch._C.Future, bucket: GradBucket, buffer: torch.Tensor):
         self.fut, self.bucket, self.buffer = fut, bucket, buffer
 
     def wait(self) -> None:

@@ -30,8 +30,11 @@ Reference: ``torch/distributed/algorithms/join.py`` and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 
@@ -71,6 +74,15 @@ class JoinableWrapper(Joinable):
     ``_shadow_reduce()`` (the zero all-reduces of one synchronised backward,
     issued exactly as the real ones would be).
     """
+
+    # Provided by the wrapper (DataParallelBase).
+    module: nn.Module
+    group: Any
+    world_size: int
+    require_backward_grad_sync: bool
+    broadcast_buffers: bool
+    _broadcast_buffers_next: bool
+    _named_params: list[tuple[str, nn.Parameter]]
 
     def __init__(self):  # Joinable's abstract constructor; wrappers call _init_join instead
         super().__init__()

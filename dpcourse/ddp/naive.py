@@ -37,11 +37,19 @@ class DataParallelNaive(DataParallelBase):
             ``all_reduce(tensor, group=group)`` and summing in place like
             ``torch.distributed.all_reduce`` (e.g. ``dpcourse.comm.ring_all_reduce``);
             ``None`` uses ``torch.distributed.all_reduce``.
+        broadcast_buffers, find_unused_parameters, static_graph: as in torch DDP
+            (see :class:`~dpcourse.ddp.base.DataParallelBase`).
+
+    A communication hook (:meth:`register_comm_hook`) sees each parameter as a
+    bucket of its own.
     """
 
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
-                 all_reduce: AllReduce | None = None):
-        super().__init__(module, group=group, all_reduce=all_reduce)
+                 all_reduce: AllReduce | None = None, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False, static_graph: bool = False):
+        super().__init__(module, group=group, all_reduce=all_reduce,
+                         broadcast_buffers=broadcast_buffers,
+                         find_unused_parameters=find_unused_parameters, static_graph=static_graph)
 
     @torch.no_grad()
     def _reduce(self) -> None:
@@ -51,7 +59,6 @@ class DataParallelNaive(DataParallelBase):
             if p.grad is None:  # unused on this rank (find_unused_parameters): contribute zeros
                 p.grad = torch.zeros_like(p)
             grad = p.grad
-            assert grad is not None  # every parameter has one: checked before reducing
             # Collectives need contiguous memory; a strided gradient is reduced via a copy.
             buf = grad if grad.is_contiguous() else grad.contiguous()
             if self._comm_hook is not None:  # each parameter is a bucket of its own

@@ -22,6 +22,8 @@ every rank must issue them in the same order (torch's reducer does the same).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
 from torch import nn
 
@@ -47,6 +49,9 @@ class DataParallelOverlapped(DataParallelBucketed):
         group: process group to average over (``None``: the default group).
         all_reduce: collective ``fn(tensor, group=None)`` summing in place
             (default: asynchronous ``torch.distributed.all_reduce``).
+        **options: torch DDP's options, see :class:`~dpcourse.ddp.DataParallelBucketed`
+            (``broadcast_buffers``, ``find_unused_parameters``, ``static_graph``,
+            ``first_bucket_mb``, ``rebuild_buckets``, ``gradient_as_bucket_view``).
 
     Attributes:
         buckets: list of :class:`~dpcourse.ddp.buckets.Bucket` in launch order.
@@ -56,8 +61,13 @@ class DataParallelOverlapped(DataParallelBucketed):
     """
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0,
-                 group: dist.ProcessGroup | None = None, all_reduce: AllReduce | None = None):
-        super().__init__(module, bucket_cap_mb=bucket_cap_mb, group=group, all_reduce=all_reduce)
+                 group: dist.ProcessGroup | None = None, all_reduce: AllReduce | None = None,
+                 **options: Any):
+        super().__init__(module, bucket_cap_mb=bucket_cap_mb, group=group, all_reduce=all_reduce,
+                         **options)
+        self._reset_round()
+
+    def _buckets_rebuilt(self) -> None:
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -70,13 +80,14 @@ class DataParallelOverlapped(DataParallelBucketed):
         self._reset_round()
 
     def _grad_ready(self, index: int, param: nn.Parameter) -> None:
+        super()._grad_ready(index, param)  # notes the arrival order for a rebuild
         b, k = self._where[index]
         if self.buckets[b].mark_ready(k):
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
-            self.buckets[self._next_bucket].launch(self.all_reduce, self.world_size, async_op=True)
+            self._launch(self.buckets[self._next_bucket], async_op=True)
             self._next_bucket += 1
 
     def _reduce(self) -> None:

@@ -84,6 +84,8 @@ class SyncBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _update_running_stats(self, mean, var, n: float) -> None:
+        assert self.running_mean is not None and self.running_var is not None
+        assert self.num_batches_tracked is not None  # track_running_stats=True
         self.num_batches_tracked += 1
         momentum = (1.0 / self.num_batches_tracked.item() if self.momentum is None
                     else self.momentum)
