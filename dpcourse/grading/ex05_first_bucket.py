@@ -72,6 +72,7 @@ class FirstBucket(CheckSpec):
     name, exercise, title = "first_bucket", "05", "Bucket assignment with torch's first bucket"
     in_rank = False
     forbidden = ("dpcourse.ddp.buckets.assign_buckets", "dpcourse.ddp.assign_buckets",
+                 "dpcourse.ddp.bucket_order.assign_buckets_in_order",
                  "dpcourse.costmodel.step.bucket_sizes")
     criteria = (
         Criterion("first_bucket_small", "the bucket all-reduced first closes at first_bucket_mb",

@@ -26,7 +26,8 @@ MIB = 2**20
 REFERENCE = tuple(f"dpcourse.ddp.{p}" for p in (
     "naive.DataParallelNaive", "bucketed.DataParallelBucketed", "overlapped.DataParallelOverlapped",
     "base.DataParallelBase", "DataParallelNaive", "DataParallelBucketed",
-    "DataParallelOverlapped"))
+    "DataParallelOverlapped", "bucket_order.assign_buckets_in_order",
+    "bucket_order.agree_on_order"))
 
 
 class Permuted(nn.Module):
