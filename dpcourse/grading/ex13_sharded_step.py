@@ -45,7 +45,7 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def single_process() -> list[list[torch.Tensor]]:
+def single_process() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Parameters after each step of one process on the whole batch, and the averaged gradients."""
     model = _model()
     opt = _optimizer(model.parameters())
@@ -57,7 +57,7 @@ def single_process() -> list[list[torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         params.append([p.detach().clone() for p in model.parameters()])
-    return [params, grads]
+    return params, grads
 
 
 class ShardedStep(CheckSpec):
