@@ -53,7 +53,7 @@ def single_process() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]
     for step in range(STEPS):
         x, y = _batch(step)
         nn.functional.mse_loss(model(x), y).backward()
-        grads.append([p.grad.detach().clone() for p in model.parameters()])
+        grads.append([p.grad.detach().clone() for p in model.parameters() if p.grad is not None])
         opt.step()
         opt.zero_grad()
         params.append([p.detach().clone() for p in model.parameters()])
