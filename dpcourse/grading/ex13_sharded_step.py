@@ -26,8 +26,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from dpcourse.grading.criteria import Criterion, mismatch
 from dpcourse.grading.runner import CheckSpec
 
-STEPS, BATCH = 3, 12
-TOL = (1e-4, 3e-5)  # fp32 AdamW over 3 steps: a rounding difference in a tiny gradient moves a
+STEPS, BATCH = 2, 12
+TOL = (1e-4, 3e-5)  # fp32 AdamW over 2 steps: a rounding difference in a tiny gradient moves a
 # weight by up to lr x its relative error (lr=1e-2)
 
 
@@ -64,7 +64,7 @@ class ShardedStep(CheckSpec):
     """``zero_step(params, shard_optimizer, group=None)``: reduce-scatter, shard step, all-gather."""
 
     name, exercise, title = "sharded_step", "13", "The ZeRO-2 optimizer step"
-    world_sizes = (2, 3)
+    world_sizes = (3,)  # odd, and the 1-element bias leaves two ranks an empty shard
     timeout = 60.0
     forbidden = ("dpcourse.zero.ShardedOptimizer", "dpcourse.zero.optimizer.ShardedOptimizer")
     criteria = (
@@ -73,7 +73,7 @@ class ShardedStep(CheckSpec):
                   "Reduce-scatter a padded copy of each gradient (N chunks of chunk_size(numel, "
                   "N)); rank r receives the sum of chunk r. Divide by N, and cut the padding "
                   "off so that .grad has the shard's shape."),
-        Criterion("matches_single_process", "after each of 3 AdamW steps every rank holds the "
+        Criterion("matches_single_process", "after each of 2 AdamW steps every rank holds the "
                   "parameters one process holds after stepping on the whole batch",
                   "The shard optimizer updated only your chunk, in place. All-gather every "
                   "rank's updated chunk (padded to chunk_size) and copy the first numel "
