@@ -284,3 +284,39 @@ def test_resume_is_not_exact_by_accident():
 
     assert not torch.equal(masks(1000), masks(1001))  # the ranks' masks differ
     assert 0 < ex.STOP[0] < ex.EPOCHS - 1 and ex.STOP[1] > 0  # mid-run and mid-epoch
+
+
+def _ddp_buckets_on_permuted(bucket_cap_mb):
+    """Bucket sizes (bytes) torch DDP all-reduces in its second step on the 06 check's model."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from dpcourse.grading.ex06_arrival_order import make_model
+
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        fut = torch.futures.Future()
+        dist.all_reduce(bucket.buffer())
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model = nn.parallel.DistributedDataParallel(make_model(0, "cpu"), bucket_cap_mb=bucket_cap_mb)
+    model.register_comm_hook(None, hook)
+    for _ in range(2):
+        seen.clear()
+        nn.functional.mse_loss(model(torch.ones(4, 8)), torch.zeros(4, 4)).backward()
+    return seen
+
+
+def test_torch_ddp_rebuilds_its_buckets_in_arrival_order():
+    import dpcourse
+    from dpcourse.grading.ex06_arrival_order import arrival_buckets, arrival_order, make_model
+
+    params = list(make_model(0, "cpu").parameters())
+    for cap in (700 / 2**20, 300 / 2**20):
+        want = [sum(params[i].numel() * 4 for i in b)
+                for b in arrival_buckets(arrival_order("cpu"), params, cap)]
+        assert dpcourse.run(_ddp_buckets_on_permuted, cap, world_size=2)[0] == want

@@ -28,7 +28,8 @@ from dpcourse.grading.runner import CheckSpec
 REFERENCE = tuple(f"dpcourse.ddp.{p}" for p in (
     "naive.DataParallelNaive", "bucketed.DataParallelBucketed", "overlapped.DataParallelOverlapped",
     "base.DataParallelBase", "base.broadcast_module_state", "DataParallelNaive",
-    "DataParallelBucketed", "DataParallelOverlapped")) + ("dpcourse.comm.naive.all_reduce_per_tensor",)
+    "DataParallelBucketed", "DataParallelOverlapped")) + (
+    "dpcourse.comm.naive.all_reduce_per_tensor",)
 # Which ranks use ``extra`` in each step: some, none, all.
 EXTRA_USED = ({0}, set(), None)
 
@@ -156,8 +157,8 @@ class BuffersUnused(CheckSpec):
                         else "grads_averaged")
                 if exp is None or got is None:
                     ok = got is None and exp is None
-                    detail = f"rank {rank}, {n}.grad is " + ("None" if got is None else "a tensor") \
-                        + ", torch DDP's is " + ("None" if exp is None else "a tensor")
+                    detail = (f"rank {rank}, {n}.grad is {'None' if got is None else 'a tensor'}"
+                              f", torch DDP's is {'None' if exp is None else 'a tensor'}")
                 else:
                     detail = mismatch(got, exp, *tol)
                     ok = not detail

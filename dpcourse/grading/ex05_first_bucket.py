@@ -1,4 +1,4 @@
-"""Check for exercise 05's transfer task: torch DDP's small first bucket, frozen parameters left out.
+"""Check for exercise 05, part 2: torch DDP's small first bucket; frozen parameters left out.
 
 torch DDP gives the bucket that is all-reduced first a smaller cap
 (``first_bucket_bytes_cap``, 1 MiB by default), so communication starts

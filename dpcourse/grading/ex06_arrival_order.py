@@ -73,7 +73,7 @@ def arrival_buckets(order, params, bucket_cap_mb: float) -> list[list[int]]:
 
 
 class ArrivalOrderDDP(CheckSpec):
-    """``ArrivalOrderDDP(module, bucket_cap_mb=...)``: buckets rebuilt from step 1's arrival order."""
+    """``ArrivalOrderDDP(module, bucket_cap_mb=...)``: buckets rebuilt in step 1's arrival order."""
 
     name, exercise, title = "arrival_order", "06", "Buckets in the order gradients arrive"
     forbidden = REFERENCE + ("dpcourse.comm.naive.all_reduce_per_tensor",)

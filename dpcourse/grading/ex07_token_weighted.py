@@ -47,7 +47,8 @@ def global_batch(case: str, step: int, world_size: int, device):
     sizes = [case_sizes(case, r) for r in range(world_size)]
     g = torch.Generator().manual_seed(900 + 10 * CASES.index(case) + step)
     n = sum(map(sum, sizes))
-    x, y = torch.randn(n, h.IN, generator=g).to(device), torch.randn(n, h.OUT, generator=g).to(device)
+    x = torch.randn(n, h.IN, generator=g).to(device)
+    y = torch.randn(n, h.OUT, generator=g).to(device)
     per_rank, start = [], 0
     for s in sizes:
         rows = list(zip(x[start:start + sum(s)].split(s), y[start:start + sum(s)].split(s)))
