@@ -20,13 +20,14 @@ def _specs() -> dict:
     from dpcourse.grading import ex06_arrival_order as ex06
     from dpcourse.grading import ex07_token_weighted as ex07
     from dpcourse.grading import ex08_checkpoint as ex08
+    from dpcourse.grading import ex12_nvlink_kernels as ex12
     from dpcourse.grading import ex13_sharded_step as ex13
 
     specs = (ex01.MeanGradient, col.CollectiveSemantics, col.RingAllReduce,
              ex04.HalvingDoublingAllReduce, ddp.NaiveDDP, ex03.BuffersUnused, pure.AssignBuckets,
              ex05.FirstBucket,
              ddp.OverlappedDDP, ex06.ArrivalOrderDDP, ddp.NoSync, ex07.TokenWeighted,
-             ex08.CheckpointResume, pure.RingCost, ex13.ShardedStep)
+             ex08.CheckpointResume, pure.RingCost, ex12.NvlinkKernels, ex13.ShardedStep)
     return {s.name: s for s in specs}
 
 

@@ -18,6 +18,9 @@ from typing import NamedTuple
 
 import torch
 
+from dpcourse.grading.criteria import Criterion as GradingCriterion
+from dpcourse.grading.runner import CheckSpec
+
 
 class Criterion(NamedTuple):
     """One thing the check verifies: a short name, what must hold, and the likely mistake."""
@@ -150,11 +153,9 @@ def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, world_sizes=N
     import dpcourse
     from dpcourse.errors import RankDiedError, RankError, RankTimeoutError
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _gpu_count()
     if gpus < 2:
-        message = (f"skipped: these kernels need at least 2 CUDA GPUs that can reach each "
-                   f"other's memory (NVLink); this machine has {gpus}. Run this notebook on a "
-                   "GPU machine to have your kernels checked.")
+        message = _skip_message(gpus, 2)
         if not quiet:
             print(message)
         return {"skipped": True, "message": message, "results": {}}
@@ -212,33 +213,36 @@ def _show(report: dict) -> None:
         print("  " + line)
 
 
-def _spec_class():
-    """Build the registry's view of this check (a ``CheckSpec``), imported only when registered."""
-    from dpcourse.grading import criteria as crit
-    from dpcourse.grading.runner import CheckSpec
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-    class NvlinkKernels(CheckSpec):
-        """``one_shot_kernel`` (and ``two_shot=two_shot_kernel``): Triton kernels on NVLink."""
 
-        name, exercise, title = "nvlink_kernels", "12", "All-reduce kernels on NVLink"
-        in_rank = False  # check_nvlink_kernels starts the GPU ranks itself
-        timeout = 600.0
-        criteria = tuple(
-            crit.Criterion(f"{kind}_{c.name}", f"{kind.replace('_', '-')}: {c.description}",
-                           c.hint, requires=None if kind == "one_shot" else "two_shot")
-            for kind in ("one_shot", "two_shot") for c in CRITERIA)
-        notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "
-                 "least 2 CUDA GPUs",)
+def _skip_message(gpus: int, minimum: int) -> str:
+    return (f"skipped: these kernels need at least {minimum} CUDA GPUs that can reach each "
+            f"other's memory (NVLink); this machine has {gpus}. Run this notebook on a GPU "
+            "machine to have your kernels checked.")
 
-        def run(self, rec, learner, extras, reference):
-            report = check_nvlink_kernels(learner, extras.get("two_shot"), quiet=True)
-            if report["skipped"]:
-                raise RuntimeError(report["message"])
-            for kind, results in report["results"].items():
-                for name, passed in results.items():
-                    detail = "; ".join(m for m in report["message"].split("; ")
-                                       if m.startswith(f"{kind},") and f" {name}:" in m)
-                    rec.record(f"{kind}_{name}", passed,
-                               detail or ("" if passed else report["message"]))
 
-    return NvlinkKernels
+class NvlinkKernels(CheckSpec):
+    """``check("nvlink_kernels", one_shot_kernel, two_shot=two_shot_kernel)`` on this machine's GPUs."""
+
+    name, exercise, title = "nvlink_kernels", "12", "All-reduce kernels on NVLink"
+    in_rank = False  # check_nvlink_kernels starts the GPU ranks itself
+    timeout = 600.0
+    criteria = tuple(
+        GradingCriterion(f"{kind}_{c.name}", f"{kind.replace('_', '-')}: {c.description}",
+                         c.hint, requires=None if kind == "one_shot" else "two_shot")
+        for kind in ("one_shot", "two_shot") for c in CRITERIA)
+    notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "
+             "least 2 CUDA GPUs",)
+
+    def run(self, rec, learner, extras, reference):
+        report = check_nvlink_kernels(learner, extras.get("two_shot"), quiet=True)
+        if report["skipped"]:
+            raise RuntimeError(report["message"])
+        for kind, results in report["results"].items():
+            for name, passed in results.items():
+                detail = "; ".join(m for m in report["message"].split("; ")
+                                   if m.startswith(f"{kind},") and f" {name}:" in m)
+                rec.record(f"{kind}_{name}", passed,
+                           detail or ("" if passed else report["message"]))
