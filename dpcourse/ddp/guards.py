@@ -16,14 +16,22 @@ hang or replicas that silently drift apart.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
-if TYPE_CHECKING:
-    from dpcourse.ddp.base import DataParallelBase
+
+class Wrapper(Protocol):
+    """What the guards read of a wrapper (:class:`~dpcourse.ddp.base.DataParallelBase`)."""
+
+    _named_params: list[tuple[str, nn.Parameter]]  # trainable, in registration order
+    _unsynced: set[int]       # indices of gradients not yet averaged
+    _forward_pending: bool    # a forward through the wrapper awaits its backward
+    _replaced: bool           # a newer wrapper took the module over
+    _step_guard: RemovableHandle
 
 
 def check_wrappable(module: nn.Module, group: dist.ProcessGroup | None,
@@ -75,7 +83,7 @@ def check_wrappable(module: nn.Module, group: dist.ProcessGroup | None,
     return params
 
 
-def check_forward(wrapper: DataParallelBase) -> None:
+def check_forward(wrapper: Wrapper) -> None:
     """Refuse a forward through a wrapper whose module a newer wrapper took over."""
     if wrapper._replaced:
         raise RuntimeError(
@@ -84,7 +92,7 @@ def check_forward(wrapper: DataParallelBase) -> None:
         )
 
 
-def check_backward_start(wrapper: DataParallelBase) -> None:
+def check_backward_start(wrapper: Wrapper) -> None:
     """Refuse a synchronised backward that no forward through the wrapper preceded."""
     if not wrapper._forward_pending:
         raise RuntimeError(
@@ -96,7 +104,7 @@ def check_backward_start(wrapper: DataParallelBase) -> None:
         )
 
 
-def check_all_gradients(wrapper: DataParallelBase) -> None:
+def check_all_gradients(wrapper: Wrapper) -> None:
     """Refuse to synchronise when some trainable parameter received no gradient."""
     missing = [n for i, (n, _) in enumerate(wrapper._named_params) if i not in wrapper._unsynced]
     if missing:
@@ -109,7 +117,7 @@ def check_all_gradients(wrapper: DataParallelBase) -> None:
         )
 
 
-def install_step_guard(wrapper: DataParallelBase) -> None:
+def install_step_guard(wrapper: Wrapper) -> None:
     """Make any optimizer step on ``wrapper``'s parameters raise while their gradients are unsynchronised.
 
     With ``no_sync()`` or a hand-driven loop, a learner can call ``optimizer.step()``
