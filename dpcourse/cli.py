@@ -12,6 +12,9 @@ import os
 import platform
 import sys
 
+from dpcourse.argtypes import (Parser, UsageError, notebook_path, positive_int,
+                               positive_seconds)
+
 
 def doctor(args: argparse.Namespace) -> int:
     """Print what this machine offers: versions, devices, backends, and what run() would pick."""
@@ -67,6 +70,19 @@ def _has_any(argv: list[str], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
 
 
+def _check_nproc(argv: list[str]) -> None:
+    """Refuse a ``--nproc-per-node`` torchrun would reject only after creating its temp dirs."""
+    for i, a in enumerate(argv):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            if a == flag or a.startswith(flag + "="):
+                value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+                if value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
+                    raise UsageError(f"launch: {flag} must be a whole number >= 1, or auto, cpu "
+                                     f"or gpu, got {value!r}")
+            if a == "--":
+                return
+
+
 def torchrun_command(argv: list[str]) -> list[str]:
     """Build the torchrun command for ``dpcourse launch``: torchrun's own arguments pass through.
 
@@ -98,6 +114,7 @@ def launch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    _check_nproc(args.torchrun_args)
     cmd = torchrun_command(args.torchrun_args)
     print("+ " + " ".join(cmd), file=sys.stderr)
     try:
@@ -120,7 +137,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dpcourse", description=__doc__.splitlines()[0])
+    parser = Parser(prog="dpcourse", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("doctor", help="report devices, backends and versions")
@@ -138,9 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=launch)
 
     p = sub.add_parser("demo", help="train a small model data-parallel and compare with torch DDP")
-    p.add_argument("--world-size", type=int, default=None)
+    p.add_argument("--world-size", type=positive_int, default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=positive_int, default=20)
     p.set_defaults(func=demo)
 
     from dpcourse.bench.cli import add_parser as add_bench_parser  # argparse only, no torch
@@ -148,22 +165,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     p = sub.add_parser("grade", help="run exercise notebooks headless and print a score table")
-    p.add_argument("paths", nargs="+", help="notebooks or folders of notebooks")
+    p.add_argument("paths", nargs="+", type=notebook_path, help="notebooks or folders of notebooks")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per notebook")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per notebook")
     p.set_defaults(func=grade)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``dpcourse`` command; return its exit status (2: the command line was wrong)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):
-        # argparse's REMAINDER refuses leading options such as --nproc-per-node:
-        # hand everything after "launch" to torchrun untouched.
-        rest = argv[2:] if argv[1:2] == ["--"] else argv[1:]
-        return int(launch(argparse.Namespace(torchrun_args=rest)) or 0)
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):
+            # argparse's REMAINDER refuses leading options such as --nproc-per-node:
+            # hand everything after "launch" to torchrun untouched.
+            rest = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+            return int(launch(argparse.Namespace(torchrun_args=rest)) or 0)
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except UsageError as exc:  # a value the parser could not judge alone
+        print(f"dpcourse: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        # A rank raised, died or hung: its message already names the rank and carries
+        # the rank's own traceback; a second, local traceback around it adds nothing.
+        from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
+
+        if isinstance(exc, (RankError, RankDiedError, RankTimeoutError)):
+            print(f"dpcourse: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -118,9 +118,14 @@ def cli(args: argparse.Namespace) -> int:
         Process exit status.
     """
     import dpcourse
+    from dpcourse.argtypes import UsageError
 
     if args.steps < 1:
-        raise SystemExit("--steps must be at least 1.")
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    try:
+        dpcourse.resolve_backend(args.backend, args.world_size)
+    except ValueError as exc:
+        raise UsageError(f"--backend/--world-size: {exc}") from None
     tables = dpcourse.run(_run_rank, args.steps, world_size=args.world_size, backend=args.backend)
     print(tables[0])
     return 0

@@ -6,6 +6,8 @@ import argparse
 import os
 import re
 
+from dpcourse.argtypes import (UsageError, comma_list, nonnegative_int, nonnegative_mib,
+                               positive_int, positive_seconds)
 from dpcourse.launch.env import slow_link  # also imported from here by notebooks
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -16,14 +18,11 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (use e.g. 4096, 4K, 64KiB, 1M, 1G).")
-    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
-
-
-def parse_list(kind):
-    def parse(text: str) -> list:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    return parse
+            f"not a size: {text!r} (use e.g. 4096, 4K, 64KiB, 1M, 1G)")
+    size = int(float(m.group(1)) * UNITS[m.group(2).upper()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a message size must be at least 1 byte, got {text!r}")
+    return size
 
 
 def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:
@@ -38,18 +37,18 @@ def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, default=None,
+    p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks (default: one per GPU, else 2)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--iters", type=int, default=None, help="timed trials per candidate")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls per candidate")
+    p.add_argument("--iters", type=positive_int, default=None, help="timed trials per candidate")
+    p.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed calls per candidate")
     p.add_argument("--slow-link", action="store_true",
                    help="NCCL over sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1), "
                    "like a slow network")
     p.add_argument("--out", default=os.path.join("docs", "results"),
                    help="directory for JSON and plots")
     p.add_argument("--no-plot", action="store_true", help="write JSON only")
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--timeout", type=positive_seconds, default=600.0,
                    help="seconds before the run counts as hung")
 
 
@@ -60,12 +59,12 @@ def add_parser(sub) -> None:
 
     p = kinds.add_parser("allreduce", help="sweep message sizes: hand-built rings vs the library")
     _common(p)
-    p.add_argument("--sizes", type=parse_list(parse_size), default=None,
+    p.add_argument("--sizes", type=comma_list(parse_size), default=None,
                    help="comma-separated sizes, e.g. 4K,1M,256M (overrides --min/--max-size)")
     p.add_argument("--min-size", type=parse_size, default=4 * 2**10, help="default 4K")
     p.add_argument("--max-size", type=parse_size, default=None,
                    help="default 1G on GPU, 64M on CPU")
-    p.add_argument("--impls", type=parse_list(str), default=["library", "ring"],
+    p.add_argument("--impls", type=comma_list(str), default=["library", "ring"],
                    help="comma-separated: library, ring, naive; on GPUs joined by NVLink also "
                    "one_shot, two_shot, two_shot_symm, torch_one_shot, torch_two_shot "
                    "(dpcourse.comm.kernels.bench_impls)")
@@ -77,17 +76,35 @@ def add_parser(sub) -> None:
     _common(p)
     p.add_argument("--config", default="auto", choices=["auto", "gpt2_small", "tiny"],
                    help="model: GPT-2 small on GPU, tiny on CPU by default")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 8)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--variants", type=parse_list(str),
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="sequences per rank (default 8)")
+    p.add_argument("--bucket-cap-mb", type=nonnegative_mib, default=25.0)
+    p.add_argument("--variants", type=comma_list(str),
                    default=["local", "naive", "bucketed", "overlapped", "torch_ddp"],
                    help="also: zero1, zero2, fsdp, torch_fsdp (sharded data parallelism); "
                    "on GPUs joined by NVLink overlapped_one_shot, overlapped_two_shot (our "
                    "wrapper with the NVLink kernels)")
-    p.add_argument("--sweep-caps", type=parse_list(float), default=[0, 1, 5, 25, 100],
+    p.add_argument("--sweep-caps", type=comma_list(nonnegative_mib), default=[0, 1, 5, 25, 100],
                    help="bucket sizes (MiB) for the bucket sweep; empty string to skip it")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"])
     p.set_defaults(func=run_ddp)
+
+
+def _backend(args: argparse.Namespace) -> tuple[str, int]:
+    """``(backend, world_size)`` for ``--backend`` and ``--world-size``, or a one-line UsageError."""
+    import dpcourse
+
+    try:
+        return dpcourse.resolve_backend(args.backend, args.world_size)
+    except ValueError as exc:
+        raise UsageError(f"--backend/--world-size: {exc}") from None
+
+
+def _check_names(flag: str, names: list[str], allowed: tuple[str, ...]) -> None:
+    wrong = [n for n in names if n not in allowed]
+    if wrong or not names:
+        raise UsageError(f"{flag}: unknown {', '.join(map(repr, wrong)) or 'empty list'}; "
+                         f"choose from {', '.join(allowed)}")
 
 
 def _name(kind: str, rows: list[dict], backend: str, world_size: int, slow: bool) -> str:
@@ -115,9 +132,20 @@ def run_allreduce(args: argparse.Namespace) -> int:
     from dpcourse.bench.report import environment, write_results
     from dpcourse.formatting import format_bytes, format_seconds, format_table
 
-    backend, world_size = dpcourse.resolve_backend(args.backend, args.world_size)
+    from dpcourse.bench.allreduce import allreduce_impls
+    from dpcourse.comm.kernels.bench_impls import kernel_impls
+
+    backend, world_size = _backend(args)
+    _check_names("--impls", args.impls, tuple(allreduce_impls()) + tuple(kernel_impls()))
     max_size = args.max_size or (2**30 if backend == "nccl" else 64 * 2**20)
-    sizes = args.sizes or size_range(args.min_size, max_size)
+    try:
+        sizes = args.sizes or size_range(args.min_size, max_size)
+    except ValueError as exc:
+        raise UsageError(f"--min-size/--max-size: {exc}") from None
+    element = getattr(torch, args.dtype).itemsize
+    if min(sizes) < element:
+        raise UsageError(f"--sizes/--min-size: {min(sizes)} B is less than one {args.dtype} "
+                         f"element ({element} B); use sizes of at least {element} B")
     settings = dict(sizes=sizes, impls=args.impls, iters=args.iters or 20, warmup=args.warmup,
                     dtype=args.dtype, slow_link=args.slow_link)
     with slow_link(args.slow_link):
@@ -154,7 +182,10 @@ def run_ddp(args: argparse.Namespace) -> int:
     from dpcourse.bench.report import environment, write_results
     from dpcourse.formatting import format_table
 
-    backend, world_size = dpcourse.resolve_backend(args.backend, args.world_size)
+    from dpcourse.bench.ddp import KERNEL_VARIANTS, SHARDED, VARIANTS
+
+    backend, world_size = _backend(args)
+    _check_names("--variants", args.variants, VARIANTS + SHARDED + KERNEL_VARIANTS)
     common = dict(config=args.config, batch_size=args.batch_size, warmup=args.warmup,
                   iters=args.iters or 10, amp=args.amp)
     settings = dict(common, variants=args.variants, bucket_cap_mb=args.bucket_cap_mb,

@@ -99,6 +99,7 @@ class DataParallelBase(nn.Module, JoinableWrapper):
                  find_unused_parameters: bool = False, static_graph: bool = False):
         nn.Module.__init__(self)
         params = guards.check_wrappable(module, group, all_reduce)
+        guards.check_same_model(module, group, params[0][1].device)
         self._init_join()
         self.broadcast_buffers = bool(broadcast_buffers)
         self.find_unused_parameters = bool(find_unused_parameters)

@@ -199,7 +199,7 @@ class Bucket:
         """Wait for the launched all-reduce (on GPU: order the current stream after it)."""
         work, self.work = self.work, None
         if work is not None:
-            work.wait()
+            work.wait()  # for this bucket's all_reduce, started with async_op=True
 
 
 def make_buckets(named_params, bucket_cap_mb: float,

@@ -1,6 +1,7 @@
 """The mistakes a data-parallel wrapper refuses, each checked at one named moment.
 
 * :func:`check_wrappable` - at construction: what can be wrapped at all;
+* :func:`check_same_model` - at construction: every rank wraps the same parameters;
 * :func:`check_forward` - at each forward: the wrapper is still the module's;
 * :func:`check_backward_start` - at the first gradient of a synchronised backward:
   a forward through the wrapper preceded it;
@@ -15,9 +16,11 @@ hang or replicas that silently drift apart.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -81,6 +84,61 @@ def check_wrappable(module: nn.Module, group: dist.ProcessGroup | None,
             f"{device}. Move it first: module.to(f'cuda:{{rank}}')."
         )
     return params
+
+
+def _signature(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
+            for name, p in module.named_parameters()]
+
+
+def check_same_model(module: nn.Module, group: dist.ProcessGroup | None,
+                     device: torch.device) -> None:
+    """Refuse to wrap when the ranks' models differ in parameters, shapes, dtypes or requires_grad.
+
+    Different models would make the ranks' collectives disagree: a hang (different
+    parameter counts), a crash inside the backend (different sizes), or silently
+    wrong training (a transposed weight of the same size). One all-gather of
+    a 16-byte signature per rank finds out; only if they differ are the full
+    parameter lists gathered, to name the first difference (torch DDP makes the
+    same check at construction).
+
+    Args:
+        module: the model this rank is about to wrap.
+        group: process group (``None``: the default group).
+        device: where the backend's tensors live (the module's device).
+    """
+    mine = _signature(module)
+    digest = hashlib.sha256(repr(mine).encode()).digest()[:8]
+    summary = torch.tensor([len(mine), int.from_bytes(digest, "little", signed=True)],
+                           dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(summary) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, summary, group=group)
+    if all(torch.equal(g, gathered[0]) for g in gathered):
+        return
+    signatures: list = [None] * len(gathered)
+    dist.all_gather_object(signatures, mine, group=group)
+    raise RuntimeError(
+        f"the ranks wrap different models: {_first_difference(signatures)}. Every rank must "
+        "build the same model (same code, same arguments, same dtype and frozen parameters) "
+        "before wrapping it; data parallelism averages gradients parameter by parameter."
+    )
+
+
+def _first_difference(signatures: list) -> str:
+    """Name the first parameter where some rank's signature differs from rank 0's."""
+    ref = signatures[0]
+    for rank, sig in enumerate(signatures[1:], start=1):
+        for i, ((n0, s0, d0, g0), (n1, s1, d1, g1)) in enumerate(zip(ref, sig)):
+            if n0 != n1:
+                return f"parameter {i} is {n0!r} on rank 0 but {n1!r} on rank {rank}"
+            for what, a, b in (("shape", s0, s1), ("dtype", d0, d1), ("requires_grad", g0, g1)):
+                if a != b:
+                    return f"{n0} has {what} {a} on rank 0 but {b} on rank {rank}"
+        if len(sig) != len(ref):
+            extra = (ref[len(sig):] or sig[len(ref):])[0][0]
+            return (f"rank 0 has {len(ref)} parameters but rank {rank} has {len(sig)} "
+                    f"(the first without a match: {extra!r})")
+    return "their parameter lists differ"
 
 
 def check_forward(wrapper: Wrapper) -> None:

@@ -19,12 +19,14 @@ the learner:
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
 
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.launch.procs import STARTUP_TIMEOUT, Launch, LaunchSpec
+from dpcourse.launch.resources import check_resources
 
 DEFAULT_TIMEOUT = 120.0
 LOOPBACK = "127.0.0.1"
@@ -52,6 +54,11 @@ def resolve_backend(backend: str = "auto", world_size: int | None = None) -> tup
     gpus = visible_gpus()
     if backend == "auto":
         backend = "nccl" if gpus >= 1 and (world_size is None or world_size <= gpus) else "gloo"
+    if backend == "nccl" and gpus == 0:
+        raise ValueError(
+            "backend 'nccl' needs GPUs (one per rank), but this machine has 0 visible GPU(s) "
+            "(torch.cuda.device_count() is 0). Use backend='gloo' or 'auto' to run the ranks on CPU."
+        )
     if world_size is None:
         world_size = gpus if backend == "nccl" else 2
     if backend == "nccl" and world_size > gpus:
@@ -63,10 +70,12 @@ def resolve_backend(backend: str = "auto", world_size: int | None = None) -> tup
 
 
 def _check_timeout(timeout) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not 0 < timeout < math.inf:
         raise ValueError(
-            f"timeout must be a positive number of seconds, got {timeout!r}. It is how long "
-            "run() waits before treating the ranks as hung; e.g. timeout=60.")
+            f"timeout must be a positive, finite number of seconds, got {timeout!r}. It is how "
+            "long run() waits before treating the ranks as hung, and a hang must end in a "
+            "message: e.g. timeout=60, or timeout=24 * 3600 for a long job.")
     return float(timeout)
 
 
@@ -144,11 +153,14 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto",
             or exited abnormally after returning.
         RankTimeoutError: ranks still running after ``timeout`` s; names them and shows
             where each one was waiting.
+        RuntimeError: the ranks would not fit in the available memory (see
+            :func:`dpcourse.launch.resources.check_resources`; nothing was started).
         KeyboardInterrupt: the caller was interrupted; every rank has been stopped.
     """
     backend, world_size = resolve_backend(backend, world_size)
     timeout = _check_timeout(timeout)
     call = _serialize_call(fn, args, kwargs)
+    check_resources(world_size, backend)
     store = launch = failure = None
     try:
         store = _loopback_store()

@@ -21,11 +21,55 @@ from dpcourse.launch.env import worker_env
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.launch.relay import Relay
 
+# Work directories are named after the launching process, so that one left behind
+# by a launcher that was killed (SIGKILL, a kernel restart) can be recognised.
+WORKDIR_PREFIX = "dpcourse-"
 # How long a rank that returned may take to destroy its process group and exit.
 SHUTDOWN_GRACE = 30.0
 # Starting a rank (a fresh interpreter importing torch, then joining the group)
 # takes seconds, many more on a busy machine: it is not counted in `timeout`.
 STARTUP_TIMEOUT = 120.0
+
+
+def clean_stale_workdirs(tmp: str | None = None) -> list[str]:
+    """Remove the work directories of launchers that no longer exist; return their paths.
+
+    A launcher removes its own directory when it stops; one killed outright
+    cannot, and its directory (with the pickled function) would stay behind.
+    Only directories of this user whose launcher process is gone are removed.
+
+    Args:
+        tmp: the temporary directory to look in (default: ``tempfile.gettempdir()``).
+    """
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return removed
+    for name in names:
+        pid_text = name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        if not name.startswith(WORKDIR_PREFIX) or not pid_text.isdigit():
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or _alive(int(pid_text)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 @dataclass(frozen=True)
@@ -60,7 +104,8 @@ class Launch:
     def __init__(self, spec: LaunchSpec, timeout: float, prefix_output: bool):
         self.spec, self.timeout = spec, timeout
         self.world_size = spec.world_size
-        self.workdir = tempfile.mkdtemp(prefix="dpcourse-")
+        clean_stale_workdirs()
+        self.workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
         self.procs: list[subprocess.Popen] = []
         self.results: dict[int, dict] = {}
         self.relay = Relay(prefix_output)

@@ -8,12 +8,17 @@ those dumps: the launcher's timeout message and the grader both use it.
 
 from __future__ import annotations
 
+import linecache
 import re
 
 # One frame of a faulthandler dump: '  File "/path/x.py", line 12 in fn'.
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _LAUNCHER_FILES = ("dpcourse/launch/worker.py", "<frozen runpy>", "runpy.py", "<frozen importlib")
 _MAX_FRAMES = 20
+# A line that waits on a work handle of an asynchronous collective, e.g. `work.wait()`.
+_WAIT_CALL = re.compile(r"\.wait\(\s*\)")
+_COLLECTIVES = re.compile(r"\b(all_reduce|reduce_scatter\w*|all_gather\w*|all_to_all\w*|broadcast|"
+                          r"reduce|gather|scatter|isend|irecv|barrier)\b")
 
 
 def _current_thread(dump: str) -> list[str]:
@@ -47,7 +52,7 @@ def main_thread_frames(dump: str, skip: tuple[str, ...] = ()) -> list[tuple[str,
 
 
 def describe_wait(dump: str) -> str:
-    """Say in one line where a rank was: inside a torch.distributed call, or in Python code.
+    """Say in one line where a rank was: in a torch.distributed call, in a work handle's wait, or in Python code.
 
     Args:
         dump: the rank's faulthandler dump.
@@ -69,6 +74,18 @@ def describe_wait(dump: str) -> str:
         api = dist_calls[-1][2]
         return f"in torch.distributed {api} (a collective or point-to-point call){where}"
     file, line, func = frames[0]
+    code = linecache.getline(file, line).strip()
+    if _WAIT_CALL.search(code):
+        # Blocked in C inside Work.wait(): no torch.distributed frame is on the stack.
+        named = _COLLECTIVES.search(code)
+        what = f"the {named[1]}" if named else "a collective"
+        caller = next((f for f in frames[1:] if "/torch/" not in f[0] and "/dpcourse/" not in f[0]),
+                      None)
+        called = (f", called from {caller[0].rsplit('/', 1)[-1]}:{caller[1]} in {caller[2]}"
+                  if caller else "")
+        return (f"waiting in `{code.split('#')[0].strip()}` at {file.rsplit('/', 1)[-1]}:{line} "
+                f"in {func}, for {what} it started earlier with async_op=True, which has not "
+                f"completed (another rank has not issued the matching collective){called}")
     return (f"running Python code at {file.rsplit('/', 1)[-1]}:{line} in {func} (not inside a "
             "torch.distributed call: a loop that does not end, a sleep, or waiting on something "
             f"else){where if user and user != frames[0] else ''}")
