@@ -56,8 +56,9 @@ def resolve_backend(backend: str = "auto", world_size: int | None = None) -> tup
         backend = "nccl" if gpus >= 1 and (world_size is None or world_size <= gpus) else "gloo"
     if backend == "nccl" and gpus == 0:
         raise ValueError(
-            "backend 'nccl' needs GPUs (one per rank), but this machine has 0 visible GPU(s) "
-            "(torch.cuda.device_count() is 0). Use backend='gloo' or 'auto' to run the ranks on CPU."
+            "backend 'nccl' needs one GPU per rank, but this machine has 0 visible GPU(s) "
+            "(torch.cuda.device_count() is 0): use backend='gloo' (or 'auto') to run the ranks "
+            "on CPU."
         )
     if world_size is None:
         world_size = gpus if backend == "nccl" else 2
@@ -73,7 +74,7 @@ def _check_timeout(timeout) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not 0 < timeout < math.inf:
         raise ValueError(
-            f"timeout must be a positive, finite number of seconds, got {timeout!r}. It is how "
+            f"timeout must be a positive number of seconds (finite), got {timeout!r}. It is how "
             "long run() waits before treating the ranks as hung, and a hang must end in a "
             "message: e.g. timeout=60, or timeout=24 * 3600 for a long job.")
     return float(timeout)
