@@ -125,9 +125,24 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def grade(args: argparse.Namespace) -> int:
-    from dpcourse.grading import autograde
+    """Run ``dpcourse grade``: grade, print the table, write the files asked for; 2 on bad input."""
+    from dpcourse.grading import autograde, gradebook
 
-    return autograde.cli(args)
+    try:
+        report = autograde.grade(args.paths, timeout=args.timeout, feedback=args.feedback)
+    except autograde.UsageError as exc:
+        print(f"dpcourse grade: error: {exc}", file=sys.stderr)
+        return 2
+    print(gradebook.score_table(report))
+    for flag, path, write in (("--json", args.json, gradebook.write_json),
+                              ("--csv", args.csv, gradebook.write_csv),
+                              ("--lms-csv", args.lms_csv, gradebook.write_lms_csv)):
+        if path:
+            write(report, path)
+            print(f"{flag}: written to {path}")
+    if args.feedback:
+        print(f"--feedback: one .feedback.ipynb and .html per notebook in {args.feedback}")
+    return 0
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -164,10 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
-    p = sub.add_parser("grade", help="run exercise notebooks headless and print a score table")
-    p.add_argument("paths", nargs="+", type=notebook_path, help="notebooks or folders of notebooks")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per notebook")
+    p = sub.add_parser(
+        "grade", help="grade exercise notebooks: the grader runs its own checks on them",
+        description="Run each notebook in a kernel the grader owns (killed at --timeout), take "
+        "the learner's definitions from it, and run the grader's checks on them in fresh "
+        "processes with fresh random cases. Folders are searched recursively; a notebook's "
+        "folder name is its submission ID.")
+    p.add_argument("paths", nargs="+", type=notebook_path,
+                   help="notebooks or folders of notebooks")
+    p.add_argument("--json", metavar="FILE", help="write the full results as JSON")
+    p.add_argument("--csv", metavar="FILE", help="write one row per submission and criterion")
+    p.add_argument("--lms-csv", metavar="FILE", help="write one row per submission, one column "
+                   "per exercise (Canvas / Moodle gradebook import)")
+    p.add_argument("--feedback", metavar="DIR", help="write a feedback notebook and HTML page "
+                   "per notebook")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0,
+                   help="seconds of cell time per notebook (default 600)")
     p.set_defaults(func=grade)
     return parser
 

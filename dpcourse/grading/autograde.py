@@ -1,184 +1,241 @@
-"""``dpcourse grade``: execute exercise notebooks headless and collect their checks' scores.
+"""``dpcourse grade``: grade exercise notebooks with the grader, not the notebook, in charge.
 
-Each notebook runs top to bottom in a fresh kernel of this Python environment
-with ``DPCOURSE_GRADE_FILE`` set; every ``check(...)`` call in it appends its
-result there. The exercises a notebook calls ``check`` for are read from its
-source, so an exercise the notebook never reached (an error, a timeout) still
-appears in the table, with zero points. Learner code runs only in that kernel
-and in the ranks it launches.
+For each notebook:
+
+1. Run it top to bottom in a kernel the grader owns (:mod:`~dpcourse.grading.executor`,
+   its own session, private temp and runtime dirs). At the time limit the kernel and
+   everything it started (ranks, detached children) are killed; a dead kernel or a
+   malformed notebook scores zero and grading carries on.
+2. Put back any file of the course package the notebook changed on disk.
+3. Take the learner's definitions from the cells that ran (``def``, ``class``,
+   imports, plain values; never the calls) and run each check for the notebook's
+   lesson number in fresh rank processes (:mod:`~dpcourse.grading.runner`), with the
+   grader's world sizes and fresh random cases. Verdicts are reached in this process.
+
+Nothing the notebook writes (files, environment, its own ``check`` calls) is read
+as a result.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
+import shutil
 import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
-from dpcourse.formatting import format_table
-from dpcourse.grading.report import DEFAULT_POINTS, GRADE_FILE_ENV
+import psutil
 
-_CHECK_CALL = re.compile(r"""\bcheck\(\s*["'](\w+)["']""")
+from dpcourse.grading import procs
+from dpcourse.grading.checks import for_notebook
+from dpcourse.grading.report import CheckResult, CriterionResult, strip_ansi
+from dpcourse.grading.runner import SKIP_ENV, run_check
+from dpcourse.grading.submission import extract
 
-
-def expected_checks(nb) -> list[str]:
-    """Return the check names a notebook calls, in order of first appearance."""
-    names = []
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            for name in _CHECK_CALL.findall(cell.source):
-                if name not in names:
-                    names.append(name)
-    return names
+KERNEL_START = 60.0  # seconds for the kernel to come up, on top of the notebook's time limit
 
 
-def _kernel_manager():
-    """A kernel running this very interpreter (like nbval's --nbval-current-env)."""
-    import ipykernel.kernelspec
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import KernelManager
-
-    class CurrentEnv(KernelSpecManager):
-        def get_kernel_spec(self, kernel_name):
-            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES,
-                                          **ipykernel.kernelspec.get_kernel_dict())
-
-    return KernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnv())
+class UsageError(ValueError):
+    """A path or option that cannot be graded; the command line reports it in one line."""
 
 
-def execute(path: str, timeout: float, grade_file: str) -> tuple[str, str]:
-    """Run notebook ``path`` with ``grade_file`` set; return ``(status, message)``.
+@dataclass
+class Execution:
+    """How a notebook's run ended."""
 
-    Args:
-        path: the notebook.
-        timeout: seconds for the whole notebook.
-        grade_file: where its checks append their results.
+    status: str          # ok, error, timeout, died, unreadable
+    stop: int | None     # index of the cell that failed or was running, if any
+    message: str
+    executed: object = None  # the executed notebook (nbformat), if any
 
-    Returns:
-        ``("ok", "")``, ``("error", what failed)`` or ``("timeout", where)``.
-    """
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-    nb = nbformat.read(path, as_version=4)
-    folder = os.path.dirname(os.path.abspath(path))
-    client = NotebookClient(nb, km=_kernel_manager(), allow_errors=False,
-                            resources={"metadata": {"path": folder}})
-    deadline = time.monotonic() + timeout
-    old = os.environ.get(GRADE_FILE_ENV)
-    os.environ[GRADE_FILE_ENV] = grade_file  # the kernel inherits it
-    index = 0
-    try:
-        # The kernel's own log lines (transport warnings) are noise in a grading run;
-        # what learner code prints reaches the notebook's outputs, not this stream.
-        with client.setup_kernel(stderr=subprocess.DEVNULL):
-            for index, cell in enumerate(nb.cells):
-                if cell.cell_type != "code":
-                    continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return "timeout", (f"notebook time limit ({timeout:g} s) reached before "
-                                       f"cell {index}")
-                client.timeout = max(1, int(remaining))
-                client.execute_cell(cell, index)
-    except CellTimeoutError:
-        return "timeout", f"cell {index} ran past the notebook time limit ({timeout:g} s)"
-    except CellExecutionError as exc:
-        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-        return "error", f"cell {index}: {lines[-1] if lines else exc}"
-    except DeadKernelError as exc:
-        return "error", f"cell {index}: the kernel died ({exc})"
-    finally:
-        if old is None:
-            os.environ.pop(GRADE_FILE_ENV, None)
+def collect(paths: list[str]) -> list[tuple[str, str]]:
+    """Return ``(path, submission)`` for every notebook under ``paths``, in name order."""
+    out = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = []
+            for folder, dirs, names in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found += [os.path.join(folder, n) for n in names if n.endswith(".ipynb")]
+            if not found:
+                raise UsageError(f"no notebooks (*.ipynb) in folder {p!r}.")
+            out += [(f, os.path.basename(os.path.dirname(os.path.abspath(f))))
+                    for f in sorted(found)]
+        elif os.path.isfile(p):
+            if not p.endswith(".ipynb"):
+                raise UsageError(f"{p!r} is not a notebook: give .ipynb files or folders of them.")
+            out.append((p, os.path.basename(os.path.dirname(os.path.abspath(p)))))
         else:
-            os.environ[GRADE_FILE_ENV] = old
-    return "ok", ""
+            raise UsageError(f"no notebook or folder at {p!r}.")
+    return out
 
 
-def _missing_row(notebook: str, name: str, why: str) -> dict:
-    from dpcourse.grading.checks import get_spec
+def _env(work: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPCOURSE_")}
+    for key, sub in (("TMPDIR", "tmp"), ("JUPYTER_RUNTIME_DIR", "runtime"),
+                     ("IPYTHONDIR", "ipython"), ("MPLCONFIGDIR", "mpl")):
+        os.makedirs(os.path.join(work, sub), exist_ok=True)
+        env[key] = os.path.join(work, sub)
+    env.update(JUPYTER_PLATFORM_DIRS="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
+    env[SKIP_ENV] = "1"  # the notebook's own check() calls defer to the grader
+    return env
+
+
+def _progress(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def execute(nb, timeout: float) -> Execution:
+    """Run notebook ``nb`` in an owned kernel; kill everything at ``timeout`` s of cell time."""
+    import nbformat
+
+    work = tempfile.mkdtemp(prefix="dpcourse-grade-")
+    src, dst, progress = (os.path.join(work, n) for n in ("in.ipynb", "out.ipynb", "progress"))
+    run_dir = os.path.join(work, "run")
+    os.makedirs(run_dir)
+    nbformat.write(nb, src)
+    before = {p.pid for p in psutil.Process().children()}
+    proc = None
+    try:
+        with open(os.path.join(work, "executor.log"), "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dpcourse.grading.executor", src, dst, progress],
+                cwd=run_dir, env=_env(work), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True)
+        started, deadline = time.monotonic(), None
+        while True:
+            lines = _progress(progress)
+            if deadline is None and "ready" in lines:
+                deadline = time.monotonic() + timeout
+            if proc.poll() is not None:
+                break
+            now = time.monotonic()
+            if deadline is None and now - started > KERNEL_START:
+                return Execution("error", None, f"the kernel did not start within "
+                                 f"{KERNEL_START:g} s")
+            if deadline is not None and now > deadline:
+                running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
+                cell = running[-1] if running else None
+                procs.kill_tree([proc.pid])
+                return Execution("timeout", cell, f"cell {cell} was still running at the time "
+                                 f"limit ({timeout:g} s); it and everything it started were "
+                                 "stopped", _read(dst))
+            time.sleep(0.1)
+        lines = _progress(progress)
+        end = [ln for ln in lines if ln.startswith("end ")]
+        running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
+        if not end:
+            cell = running[-1] if running else None
+            return Execution("died", cell, f"the notebook's process ended during cell {cell} "
+                             "(killed?)", _read(dst))
+        _, status, index, *message = end[-1].split(" ", 3)
+        message = strip_ansi(message[0] if message else "")
+        if status == "ok":
+            return Execution("ok", None, "", _read(dst))
+        return Execution(status, int(index), f"cell {index}: {message}", _read(dst))
+    finally:
+        if proc is not None:
+            procs.kill_tree([proc.pid])
+        procs.kill_new_children(before)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _read(path: str):
+    import nbformat
 
     try:
-        spec = get_spec(name)
-        total = len(spec.active_criteria({c.requires: None for c in spec.criteria if c.requires}))
-        exercise, title, points = spec.exercise, spec.title, spec.points
-    except ValueError:
-        total, exercise, title, points = 0, "?", name, DEFAULT_POINTS
-    return {"notebook": notebook, "check": name, "exercise": exercise, "title": title,
-            "passed": 0, "total": total, "points": 0.0, "max_points": points,
-            "criteria": [], "status": f"not graded: {why}"}
+        return nbformat.read(path, as_version=4)
+    except Exception:  # noqa: BLE001 - a notebook cut short, or overwritten by the kernel
+        return None
 
 
-def grade(paths: list[str], timeout: float = 600.0) -> dict:
-    """Execute every notebook in ``paths`` (files or folders) and collect the check results.
+def _zero(spec, why: str) -> CheckResult:
+    return CheckResult(spec.name, spec.exercise, spec.title, [
+        CriterionResult(c.name, c.description, False, f"not graded: {why}", "", c.weight, c.gate)
+        for c in spec.criteria], spec.points, 0.0, [why])
+
+
+def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict, list, object]:
+    """Grade one notebook (its ``text`` read before any notebook ran)."""
+    import nbformat
+
+    name = os.path.basename(path)
+    specs = for_notebook(name)
+    t0 = time.perf_counter()
+    try:
+        nb = nbformat.reads(text, as_version=4)
+        nbformat.validate(nb)
+    except Exception as exc:  # noqa: BLE001 - malformed JSON, wrong schema
+        why = f"the notebook could not be read ({type(exc).__name__}: {str(exc)[:200]})"
+        info = {"status": "unreadable", "message": strip_ansi(why)}
+        return info, [_zero(s, why) for s in specs], None
+    run = execute(nb, timeout) if specs else Execution("ok", None, "no exercise check for it")
+    changed = snapshot.restore() if snapshot is not None else []
+    info = {"status": run.status, "message": run.message, "changed_files": changed}
+    if changed:
+        why = (f"the notebook changed the course package on disk ({', '.join(changed[:3])}); "
+               "the files were put back and this notebook scores zero")
+        info.update(status="tampered", message=why)
+        return info, [_zero(s, why) for s in specs], run.executed
+    stop = run.stop if run.status != "ok" else None
+    sources = [(f"<cell {i}>", c.source) for i, c in enumerate(nb.cells)
+               if c.cell_type == "code" and (stop is None or i < stop)]
+    cells, problems = extract(sources)
+    results = []
+    for spec in specs:
+        result = run_check(spec, cells, spec.roles, problems=problems)
+        if run.status != "ok":
+            result.notes.insert(0, f"the notebook stopped early ({run.status}: {run.message}); "
+                                "only definitions from the cells before that were graded")
+        results.append(result)
+    info["seconds"] = round(time.perf_counter() - t0, 1)
+    return info, results, run.executed
+
+
+def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None) -> dict:
+    """Grade every notebook in ``paths`` (files, or folders searched recursively).
 
     Args:
-        paths: notebooks, or folders whose ``*.ipynb`` files are graded in name order.
-        timeout: seconds allowed per notebook.
+        paths: notebooks or folders.
+        timeout: seconds of cell time allowed per notebook.
+        feedback: folder for one feedback notebook (and HTML) per graded notebook.
 
     Returns:
         ``{"notebooks": [...], "results": [...], "points": p, "max_points": m}``.
     """
-    import nbformat
+    from dpcourse.grading import gradebook
+    from dpcourse.grading.integrity import PackageSnapshot
 
-    files = []
-    for p in paths:
-        if os.path.isdir(p):
-            files += sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".ipynb"))
-        elif os.path.isfile(p):
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"no notebook or folder at {p!r}.")
-    notebooks, results = [], []
-    for path in files:
-        name = os.path.basename(path)
-        expected = expected_checks(nbformat.read(path, as_version=4))
-        fd, grade_file = tempfile.mkstemp(prefix="dpcourse-grade-", suffix=".jsonl")
-        os.close(fd)
-        t0 = time.perf_counter()
+    if not (timeout > 0 and timeout != float("inf")):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {timeout:g}.")
+    files = collect(paths)
+    texts = {}
+    for path, _ in files:  # read all first: a notebook may delete or edit a later one
         try:
-            status, message = execute(path, timeout, grade_file)
-            with open(grade_file) as f:
-                got = [json.loads(line) for line in f if line.strip()]
-        finally:
-            os.unlink(grade_file)
-        notebooks.append({"notebook": name, "path": path, "status": status, "message": message,
-                          "seconds": round(time.perf_counter() - t0, 1)})
-        latest = {r["check"]: r for r in got}  # a check run twice counts its last run
-        for check_name in expected + [n for n in latest if n not in expected]:
-            if check_name in latest:
-                results.append(dict(latest[check_name], notebook=name, status="graded"))
-            else:
-                results.append(_missing_row(name, check_name, message or "check never ran"))
-    return {"notebooks": notebooks, "results": results,
-            "points": round(sum(r["points"] for r in results), 1),
-            "max_points": sum(r["max_points"] for r in results)}
-
-
-def score_table(report: dict) -> str:
-    """Return the score table as text: one row per exercise, then notebook problems and a total."""
-    rows = [{"notebook": r["notebook"], "exercise": r["exercise"], "check": r["check"],
-             "criteria": f"{r['passed']}/{r['total']}",
-             "points": f"{r['points']:g}/{r['max_points']:g}"} for r in report["results"]]
-    out = [format_table(rows)]
-    out.append(f"total: {report['points']:g}/{report['max_points']:g} points")
-    for nb in report["notebooks"]:
-        if nb["status"] != "ok":
-            out.append(f"{nb['notebook']}: {nb['status']}: {nb['message']} (exercises after this "
-                       "point score zero)")
-    return "\n".join(out)
-
-
-def cli(args) -> int:
-    """Run ``dpcourse grade``: print the table, optionally write JSON; exit 0 once graded."""
-    report = grade(args.paths, timeout=args.timeout)
-    print(score_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"results written to {args.json}")
-    return 0
+            with open(path, encoding="utf-8") as f:
+                texts[path] = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            texts[path] = f"<unreadable: {exc}>"
+    snapshot = PackageSnapshot()
+    notebooks, rows = [], []
+    with procs.subreaper():
+        for path, submission in files:
+            info, results, executed = grade_notebook(path, texts[path], timeout, snapshot)
+            name = os.path.basename(path)
+            notebooks.append(dict(info, notebook=name, path=path, submission=submission))
+            for r in results:
+                rows.append(dict(r.to_dict(), notebook=name, submission=submission,
+                                 status="graded" if info["status"] == "ok" else info["status"]))
+            if feedback:
+                gradebook.write_feedback(feedback, submission, name, executed, texts[path],
+                                         info, results)
+    return {"notebooks": notebooks, "results": rows,
+            "points": round(sum(r["points"] for r in rows), 1),
+            "max_points": sum(r["max_points"] for r in rows)}

@@ -1,17 +1,13 @@
-"""Criteria, tolerances and the recorder a check uses inside each rank.
+"""Criteria and tolerances: what a check verifies, how much each part weighs, how close is equal.
 
-A check is a list of named :class:`Criterion` objects. Inside a rank, the check
-runs cases and records, per criterion, whether each case held
-(:class:`RankRecorder`). Records go to a small JSON-lines file per rank as they
-happen, so the launching process still knows what passed, and which case was
-running, when a rank raises or hangs.
+A check is a list of named :class:`Criterion` objects with weights. A criterion
+with ``needs`` counts only once the criteria it names pass (an unchanged tensor
+is trivially "in place"), and a ``gate`` criterion that fails scores the whole
+check zero (code that hands the work to something else earns nothing).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,14 +23,31 @@ class Criterion:
         name: short identifier shown in reports (and asserted by tests).
         description: what must hold, in one sentence.
         hint: the likely mistake when it fails, and where to look.
-        requires: name of an extra object (``check(..., reduce_scatter=f)``) this criterion
-            needs; the criterion is left out when that object is not given.
+        requires: the role of a further learner definition this criterion grades (e.g.
+            ``"chunk_bounds"``); it fails with "not defined" when the notebook lacks it.
+        weight: its share of the check's points.
+        needs: criteria that must pass for this one to count (no credit for a vacuous pass).
+        gate: when it fails, the whole check scores zero.
     """
 
     name: str
     description: str
     hint: str = ""
     requires: str | None = None
+    weight: float = 1.0
+    needs: tuple[str, ...] = ()
+    gate: bool = False
+
+
+def no_deadlock(needs: str) -> Criterion:
+    """The standard "every rank finishes" criterion, credited once ``needs`` passes."""
+    return Criterion(NO_DEADLOCK.name, NO_DEADLOCK.description, NO_DEADLOCK.hint, needs=(needs,))
+
+
+def no_delegation(needs: str) -> Criterion:
+    """The standard "does the work itself" gate, credited once ``needs`` passes."""
+    return Criterion(NO_DELEGATION.name, NO_DELEGATION.description, NO_DELEGATION.hint,
+                     needs=(needs,), gate=True)
 
 
 NO_DEADLOCK = Criterion(
@@ -43,10 +56,12 @@ NO_DEADLOCK = Criterion(
     "issues (a send without a matching recv, a collective skipped on one rank, or blocking "
     "sends on every rank at once). Look at where each rank was waiting.")
 NO_DELEGATION = Criterion(
-    "no_delegation", "your code does the work itself (no torch DDP, no dpcourse reference)",
-    "This exercise is about writing the mechanism yourself: do not wrap "
-    "torch.nn.parallel.DistributedDataParallel or call the dpcourse implementation of what "
-    "you are asked to build.")
+    "no_delegation", "your code does the work itself (no torch DDP, no dpcourse reference, "
+    "no reaching into Python's or the grader's internals)",
+    "Write the mechanism with torch and torch.distributed's public functions. Graded code may "
+    "not wrap torch.nn.parallel.DistributedDataParallel, import the dpcourse implementation of "
+    "what you are asked to build, or use exec/eval, gc, inspect, sys, os, frames or private "
+    "attributes of modules.")
 
 # (rtol, atol) per dtype and backend. "vs_ddp": same data on each rank, only the
 # order of the gradient sum differs, so a few ulps. "vs_single": one process on
@@ -110,58 +125,3 @@ def mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) ->
         ratio = f", ratio {float(g.flatten()[i] / w.flatten()[i]):.4g}"
     return (f"max |diff| {float(diff[i]):.3g} at flat index {i} (got {float(g.flatten()[i]):.6g}, "
             f"expected {float(w.flatten()[i]):.6g}{ratio}; rtol={rtol:g}, atol={atol:g})")
-
-
-class RankRecorder:
-    """Record criterion outcomes on one rank, to a JSON-lines file the launcher reads.
-
-    Args:
-        path: the file to append to (one per rank and launch).
-        world_size: the launch's world size, stored with every record.
-    """
-
-    def __init__(self, path: str, world_size: int):
-        self.path, self.world_size = path, world_size
-
-    def _write(self, record: dict) -> None:
-        record["world_size"] = self.world_size
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())  # the rank may be killed right after (a hang)
-
-    def record(self, criterion: str, passed: bool, detail: str = "", case: str = "") -> bool:
-        """Record one case of ``criterion``; return ``passed``.
-
-        Args:
-            criterion: the criterion's name.
-            passed: whether the case held.
-            detail: what was observed when it did not.
-            case: a short description of the case (e.g. ``"length 5"``).
-        """
-        self._write({"criterion": criterion, "passed": bool(passed), "detail": detail,
-                     "case": case})
-        return passed
-
-    @contextlib.contextmanager
-    def case(self, criterion: str, case: str = ""):
-        """Run learner code for one case; on an exception record a failure, then re-raise.
-
-        The launcher sees the re-raised error at once and stops the other ranks, so
-        the learner gets the traceback instead of a hang on the ranks that did not fail.
-
-        Args:
-            criterion: the criterion this case belongs to.
-            case: a short description of the case.
-        """
-        self._write({"begin": criterion, "case": case})
-        try:
-            yield
-        except BaseException as exc:
-            name = type(exc).__name__
-            if name == "DelegationError":
-                self.record(NO_DELEGATION.name, False, str(exc), case)
-            detail = (f"not implemented yet ({exc})" if name == NOT_IMPLEMENTED
-                      else f"raised {name}: {exc}")
-            self.record(criterion, False, detail, case)
-            raise

@@ -1,19 +1,24 @@
 """Results of a check: one line per criterion, rendered for a terminal and for Jupyter.
 
-A :class:`CheckResult` is what ``check(...)`` returns. It prints as a short
-plain-text report, renders as an HTML table in Jupyter, and turns into a plain
-dict (``to_dict``) that the autograder collects.
+A :class:`CheckResult` is what ``check(...)`` returns and what ``dpcourse grade``
+collects. It prints as a short plain-text report, renders as an HTML table in
+Jupyter, and turns into a plain dict (``to_dict``). Points are the weighted
+share of criteria credited, never more than the maximum.
 """
 
 from __future__ import annotations
 
 import html
-import json
-import os
+import re
 from dataclasses import dataclass, field
 
-GRADE_FILE_ENV = "DPCOURSE_GRADE_FILE"  # set by `dpcourse grade`: checks append JSON lines here
 DEFAULT_POINTS = 10.0
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+
+
+def strip_ansi(text: str) -> str:
+    """Remove terminal colour and cursor codes (IPython tracebacks carry them)."""
+    return _ANSI.sub("", text)
 
 
 @dataclass
@@ -26,6 +31,8 @@ class CriterionResult:
         passed: whether it held in every case that was run.
         detail: for a failure, what was observed (first failing case).
         hint: for a failure, the likely mistake and where to look.
+        weight: its share of the check's points.
+        gate: a failure scores the whole check zero.
     """
 
     name: str
@@ -33,11 +40,16 @@ class CriterionResult:
     passed: bool
     detail: str = ""
     hint: str = ""
+    weight: float = 1.0
+    gate: bool = False
+
+    def __post_init__(self):
+        self.detail, self.hint = strip_ansi(self.detail), strip_ansi(self.hint)
 
     def to_dict(self) -> dict:
         """Return the result as a JSON-ready dict."""
         return {"name": self.name, "description": self.description, "passed": self.passed,
-                "detail": self.detail, "hint": self.hint}
+                "weight": self.weight, "detail": self.detail, "hint": self.hint}
 
 
 @dataclass
@@ -74,13 +86,16 @@ class CheckResult:
 
     @property
     def score(self) -> float:
-        """Fraction of criteria passed, between 0 and 1."""
-        return self.passed / self.total if self.total else 0.0
+        """Weighted fraction of criteria passed, between 0 and 1 (0 when a gate failed)."""
+        weight = sum(c.weight for c in self.criteria)
+        if not weight or any(c.gate and not c.passed for c in self.criteria):
+            return 0.0
+        return min(1.0, max(0.0, sum(c.weight for c in self.criteria if c.passed) / weight))
 
     @property
     def points(self) -> float:
         """Points earned: ``max_points`` times :attr:`score`, rounded to 0.1."""
-        return round(self.max_points * self.score, 1)
+        return min(self.max_points, round(self.max_points * self.score, 1))
 
     @property
     def all_passed(self) -> bool:
@@ -111,7 +126,8 @@ class CheckResult:
         return {"check": self.check, "exercise": self.exercise, "title": self.title,
                 "passed": self.passed, "total": self.total, "points": self.points,
                 "max_points": self.max_points, "seconds": round(self.seconds, 2),
-                "criteria": [c.to_dict() for c in self.criteria], "notes": list(self.notes)}
+                "criteria": [c.to_dict() for c in self.criteria],
+                "notes": [strip_ansi(n) for n in self.notes]}
 
     # -- rendering -----------------------------------------------------------
     def headline(self) -> str:
@@ -207,18 +223,3 @@ def show(result: CheckResult) -> None:
         print(result, flush=True)
     if ip is not None:
         result._shown_at = _execution_count()
-
-
-def append_to_grade_file(result: CheckResult, path: str | None = None) -> None:
-    """Append ``result`` as one JSON line to the grade file, if one is set.
-
-    Args:
-        result: the check result.
-        path: the file; ``None`` means the ``DPCOURSE_GRADE_FILE`` environment variable
-            (set by ``dpcourse grade``); nothing is written when neither is set.
-    """
-    path = path or os.environ.get(GRADE_FILE_ENV)
-    if not path:
-        return
-    with open(path, "a") as f:
-        f.write(json.dumps(result.to_dict()) + "\n")

@@ -1,266 +1,211 @@
-"""Run a check: launch the learner's code on ranks, collect criterion records, build the report.
+"""Run a check on the learner's definitions and turn the grader's judgement into a report.
 
-One launch per world size runs every criterion of the check (each launch
-costs a few seconds of interpreter start-up, the cases themselves
-milliseconds). The learner's objects travel as one cloudpickle payload that
-each rank unpickles only after the reference implementations are switched
-off (:mod:`dpcourse.grading.guards`).
+Both paths use this module: ``dpcourse grade`` (the definitions come from the
+notebook file) and the learner's in-notebook ``check(...)`` (they come from
+the cells the kernel ran). Either way the grader picks the world sizes and
+makes fresh random cases, the learner's code runs in ranks started here, and
+every verdict is reached in this process from the ranks' outputs and from the
+grader's own record of their messages.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import re
-import tempfile
+import random
+import secrets
 import time
 
-from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
-from dpcourse.grading.criteria import (NO_DEADLOCK, NO_DELEGATION, NOT_IMPLEMENTED, Criterion,
-                                       RankRecorder)
-from dpcourse.grading.guards import forbid, static_references
-from dpcourse.grading.report import CheckResult, CriterionResult
+from dpcourse.grading.checks import Exercise, Record, available_checks, get_spec
+from dpcourse.grading.criteria import NO_DEADLOCK, NO_DELEGATION, NOT_IMPLEMENTED
+from dpcourse.grading.report import CheckResult, CriterionResult, show, strip_ansi
+from dpcourse.grading.submission import defined_names, extract, policy_findings, stub_message
+from dpcourse.grading.world import Failure, World
+
+__all__ = ["check", "available_checks", "run_check"]
+
+SKIP_ENV = "DPCOURSE_GRADING_KERNEL"  # set in dpcourse grade's kernel: check() defers to it
+STARTUP_TIMEOUT = 90.0  # starting Python and torch in every rank; slow on a loaded machine
 
 
-class CheckSpec:
-    """Base class of a check: its criteria, where it runs, and the cases it runs.
-
-    Subclasses set the class attributes and implement :meth:`run` (and :meth:`prepare`
-    for the expected values, which :meth:`run` obtains with ``reference.get()``).
-
-    Attributes:
-        name: the name passed to ``check()``.
-        exercise: the exercise label shown in reports, e.g. ``"04"``.
-        title: a human title.
-        criteria: the criteria specific to this check (``no_delegation`` and, for
-            multi-rank checks, ``no_deadlock`` are added automatically).
-        world_sizes: one launch per world size (multi-rank checks).
-        in_rank: False for pure functions, which are checked in the calling process.
-        forbidden: dotted paths of the reference objects switched off during the check.
-        forbid_torch_ddp: also switch off torch DDP.
-        timeout: seconds per launch before the ranks count as hung.
-        notes: lines shown under every report of this check.
-    """
-
-    name = ""
-    exercise = ""
-    title = ""
-    criteria: tuple[Criterion, ...] = ()
-    world_sizes: tuple[int, ...] = (2,)
-    in_rank = True
-    forbidden: tuple[str, ...] = ()
-    forbid_torch_ddp = True
-    timeout = 30.0
-    points = 10.0
-    notes: tuple[str, ...] = ()
-
-    def active_criteria(self, extras: dict) -> list[Criterion]:
-        """Return the criteria that apply when ``extras`` are given (order of the report)."""
-        own = [c for c in self.criteria if c.requires is None or c.requires in extras]
-        return own + [NO_DELEGATION] + ([NO_DEADLOCK] if self.in_rank else [])
-
-    def prepare(self, rec) -> object:
-        """Compute the expected values on a rank (e.g. a torch DDP run); see :class:`Reference`."""
-        return None
-
-    def run(self, rec, learner, extras: dict, reference: "Reference") -> None:
-        """Run every case, recording outcomes with ``rec.record`` inside ``rec.case`` blocks."""
-        raise NotImplementedError
+def _failure_text(failure: Failure, ws: int | None) -> str:
+    where = f"world size {ws}: " if ws and failure.kind != "timeout" else ""
+    text = where + failure.text
+    if failure.traceback:
+        text += "\n" + failure.traceback
+    return strip_ansi(text)
 
 
-class Reference:
-    """The expected values of a check, computed on first use (``get()``) and then kept.
-
-    Computed lazily so that an unimplemented exercise fails at once, before the
-    reference run (torch DDP's start-up alone costs seconds); the guard on torch
-    DDP is lifted only for that run.
-    """
-
-    def __init__(self, spec: CheckSpec, rec, guard=None):
-        self._spec, self._rec, self._guard = spec, rec, guard
-        self._value, self._done = None, False
-
-    def get(self):
-        """Return the expected values, computing them on the first call."""
-        if not self._done:
-            if self._guard is None:
-                self._value = self._spec.prepare(self._rec)
-            else:
-                with self._guard.reference_allowed():
-                    self._value = self._spec.prepare(self._rec)
-            self._done = True
-        return self._value
-
-
-def _rank_main(check_name: str, payload: bytes, progress_dir: str) -> bool:
-    """Run on every rank: switch the references off, load the learner's code, run the cases."""
-    import cloudpickle
-    import torch.distributed as dist
-
-    from dpcourse.grading.checks import get_spec
-
-    spec = get_spec(check_name)
-    ws, rank = dist.get_world_size(), dist.get_rank()
-    rec = RankRecorder(os.path.join(progress_dir, f"ws{ws}_rank{rank}.jsonl"), ws)
-    with forbid(spec.forbidden, spec.forbid_torch_ddp) as guard:
-        # Unpickled only now: `from dpcourse... import X` in a cell resolves to the stand-in.
-        objs = cloudpickle.loads(payload)
-        spec.run(rec, objs["main"], objs["extras"], Reference(spec, rec, guard))
-    return True
-
-
-class MemoryRecorder(RankRecorder):
-    """The in-process twin of :class:`RankRecorder`, for pure checks: records kept in a list."""
-
-    def __init__(self):
-        super().__init__(path="", world_size=1)
-        self.records: list[dict] = []
-
-    def _write(self, record: dict) -> None:
-        self.records.append(dict(record, world_size=1, rank=0))
-
-
-def _read_records(progress_dir: str) -> list[dict]:
-    records = []
-    for path in sorted(glob.glob(os.path.join(progress_dir, "ws*_rank*.jsonl"))):
-        rank = int(path.rsplit("_rank", 1)[1].split(".")[0])
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        records.append(dict(json.loads(line), rank=rank))
-                    except json.JSONDecodeError:
-                        pass  # a line cut short by a kill
-    return records
-
-
-def _learner_frames(stack: str, keep: int = 2) -> str:
-    """Where a hung rank was: the torch call it sat in and the innermost frames of learner code."""
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
-    main = [b for b in blocks if b.startswith("Current thread")] or \
-        [b for b in blocks if " in watch" not in b] or blocks
-    frames = [ln.strip() for ln in main[0].splitlines() if ln.strip().startswith("File")]
-    skip = ("site-packages/torch", "dpcourse/_worker.py", "<frozen", "dpcourse/grading/",
-            "dpcourse/launch.py", "/threading.py")
-    own = [ln for ln in frames if not any(s in ln for s in skip)]
-    torch_calls = [ln.rsplit(" in ", 1)[-1] for ln in frames if "site-packages/torch" in ln]
-    waiting = f"in torch.distributed {torch_calls[0]}, called from " if torch_calls and own else ""
-    return waiting + "; ".join(own[:keep]) if own else ""
-
-
-def _describe_failure(err: BaseException, ws: int, records: list[dict]) -> tuple[str, str]:
-    """Return ``(kind, text)`` for a launch that did not finish: kind is timeout/error/died."""
-    if isinstance(err, RankTimeoutError):
-        where = []
-        for rank in err.waiting:
-            begins = [r for r in records if r.get("rank") == rank and r["world_size"] == ws
-                      and "begin" in r]
-            doing = f" in {begins[-1]['begin']} ({begins[-1]['case']})" if begins else ""
-            frames = _learner_frames(err.stacks.get(rank, ""))
-            where.append(f"rank {rank} was waiting{doing}" + (f"\n  {frames}" if frames else ""))
-        return "timeout", (f"world size {ws}: timed out after {err.timeout:g} s; rank(s) "
-                           f"{', '.join(map(str, err.waiting))} were still waiting.\n"
-                           + "\n".join(where))
-    if isinstance(err, RankError):
-        if err.exc_type == NOT_IMPLEMENTED:
-            return "error", f"not implemented yet: {err.message}"
-        tail = "\n".join(err.remote_traceback.strip().splitlines()[-4:])
-        return "error", (f"world size {ws}: rank {err.rank} raised {err.exc_type}: "
-                         f"{err.message}\n{tail}")
-    if isinstance(err, RankDiedError):
-        return "error", f"world size {ws}: rank {err.rank} died (exit status {err.returncode})."
-    return "error", f"{type(err).__name__}: {err}"
-
-
-def _merge(spec: CheckSpec, criteria: list[Criterion], records: list[dict],
-           failure: tuple[str, str] | None, static: list[str]) -> list[CriterionResult]:
-    results = []
-    stopped = f"the run stopped early ({failure[1].splitlines()[0]})" if failure else ""
-    for c in criteria:
-        recs = [r for r in records if r.get("criterion") == c.name]
-        bad = [r for r in recs if not r["passed"]]
-        if c is NO_DEADLOCK:
-            ok = failure is None
-            detail = "" if ok else (failure[1] if failure[0] == "timeout"
-                                    else f"not checked: {stopped}")
-        elif c is NO_DELEGATION and static:
-            ok, detail = False, "your code refers to: " + "; ".join(static)
+def _merge(spec: Exercise, names: dict, defined: set, records: list[Record],
+           failure: tuple[int | None, Failure] | None, findings: list[str]) -> list[CriterionResult]:
+    results: dict[str, CriterionResult] = {}
+    stopped = ""
+    if failure is not None:
+        stopped = _failure_text(failure[1], failure[0]).splitlines()[0]
+    first_own = spec.criteria[0].name
+    for c in spec.criteria:
+        bad = [r for r in records if r.criterion == c.name and not r.passed]
+        seen = [r for r in records if r.criterion == c.name]
+        missing_role = c.requires and names.get(c.requires) not in defined
+        if missing_role:
+            ok, detail = False, (f"your notebook defines no `{spec.roles[c.requires]}` (a def at "
+                                 "the top level of a cell)")
+        elif c.name == NO_DELEGATION.name and findings:
+            ok, detail = False, "your code " + "; ".join(findings)
         elif bad:
-            r = bad[0]
-            where = f"world size {r['world_size']}" + (f", {r['case']}" if r.get("case") else "")
-            ok, detail = False, f"{where}: {r['detail']}" if spec.in_rank else \
-                (f"{r['case']}: {r['detail']}" if r.get("case") else r["detail"])
-            if failure and failure[0] == "error" and r["detail"].startswith("raised"):
-                detail += "\n" + "\n".join(failure[1].splitlines()[1:])  # where it raised
+            ok, detail = False, (f"{bad[0].case}: " if bad[0].case and bad[0].case not in
+                                 bad[0].detail else "") + bad[0].detail
+        elif c.name == NO_DEADLOCK.name:
+            ok = failure is None or failure[1].kind == "error" and False
+            detail = "" if failure is None else (
+                _failure_text(failure[1], failure[0]) if failure[1].kind == "timeout"
+                else f"not checked: {stopped}")
         elif failure is not None:
-            ok = False
-            detail = (f"checked only in part: {stopped}" if recs else f"not checked: {stopped}")
+            if c.name == first_own and failure[1].kind != "timeout":
+                ok, detail = False, _failure_text(failure[1], failure[0])
+            else:
+                ok, detail = False, (f"checked only in part: {stopped}" if seen
+                                     else f"not checked: {stopped}")
+        elif not seen and c.name != NO_DELEGATION.name:
+            ok, detail = False, "not checked: no case of this criterion ran"
         else:
-            # No failing case and the run completed. A criterion with no case at all
-            # (no_delegation) holds when nothing was refused.
             ok, detail = True, ""
-        # A criterion that never got to run has nothing to hint at: the cause is elsewhere.
-        unchecked = detail.startswith(("not checked", "checked only in part"))
-        results.append(CriterionResult(c.name, c.description, ok, detail,
-                                       "" if ok or unchecked else c.hint))
-    return results
+        results[c.name] = CriterionResult(c.name, c.description, ok, detail, "", c.weight, c.gate)
+    for c in spec.criteria:  # credit only where the result it depends on is right
+        r = results[c.name]
+        blocked = [n for n in c.needs if not results[n].passed]
+        if r.passed and blocked:
+            r.passed, r.gate = False, False  # not earned, but nothing was refused either
+            r.detail = f"not credited: counts once {', '.join(blocked)} passes"
+        quiet = r.detail.startswith(("not checked", "checked only in part", "not credited"))
+        if not r.passed and not quiet:
+            r.hint = c.hint
+            extra = spec.explain(r.detail)
+            if extra and extra not in r.hint:
+                r.hint = f"{extra} {r.hint}".strip()
+    return list(results.values())
 
 
-def run_check(spec: CheckSpec, obj, extras: dict, *, world_sizes=None, timeout=None,
-              backend: str = "auto") -> CheckResult:
-    """Run ``spec`` on the learner's ``obj`` (and ``extras``) and return the merged result.
+def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
+              timeout: float | None = None, seed: int | None = None,
+              problems: list[str] | None = None) -> CheckResult:
+    """Run ``spec`` on the learner's kept ``cells`` and return the judged result.
 
     Args:
         spec: the check.
-        obj: the learner's function or class.
-        extras: further learner objects the check accepts.
-        world_sizes: override the spec's world sizes.
-        timeout: seconds per launch before the ranks count as hung.
-        backend: passed to :func:`dpcourse.run`.
+        cells: ``(label, source)`` from :func:`dpcourse.grading.submission.extract`.
+        names: ``{role: name in the notebook}`` of the definitions to grade.
+        timeout: seconds per round before the ranks count as hung (default: the check's).
+        seed: seed of the random cases (default: a fresh secret one).
+        problems: notes about cells that could not be read.
 
     Returns:
         The :class:`CheckResult`.
     """
-    import cloudpickle
-
     t0 = time.perf_counter()
-    criteria = spec.active_criteria(extras)
-    static = static_references({"main": obj, **extras}, spec.forbidden, spec.forbid_torch_ddp)
-    failure, records = None, []
-    notes = list(spec.notes)
-    try:
-        payload = cloudpickle.dumps({"main": obj, "extras": extras})
-    except Exception as exc:  # noqa: BLE001 - the learner's object cannot travel
-        failure = ("error", f"your code could not be sent to the ranks: "
-                            f"{type(exc).__name__}: {exc}")
-        payload = None
-    if payload is not None and spec.in_rank:
-        from dpcourse.launch import run
-
-        with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as progress:
-            for ws in world_sizes or spec.world_sizes:
-                try:
-                    run(_rank_main, spec.name, payload, progress, world_size=ws, backend=backend,
-                        timeout=timeout or spec.timeout)
-                except (RankError, RankTimeoutError, RankDiedError) as err:
-                    records = _read_records(progress)
-                    failure = _describe_failure(err, ws, records)
+    notes = list(problems or []) + list(spec.notes)
+    defined = defined_names(cells)
+    findings = policy_findings(cells, list(names.values()), spec.allowed_imports,
+                               spec.forbid_torch_ddp)
+    present = {role: name for role, name in names.items() if name in defined}
+    records: list[Record] = []
+    failure = None
+    stub = stub_message(cells, names["main"])
+    if "main" not in present:
+        failure = (None, Failure("error", f"your notebook defines no `{names['main']}` (a def or "
+                                 "class at the top level of a cell)."))
+    elif findings:  # the gate fails: don't run code that reaches past the exercise
+        failure = (None, Failure("error", "not run: your code uses what graded code may not use "
+                                 "(see no_delegation)"))
+    elif stub is not None:  # it would raise at its first call: no need to start ranks
+        failure = (None, Failure("error", f"your code raised: NotImplementedError: {stub}", None,
+                                 NOT_IMPLEMENTED))
+    else:
+        rng = random.Random(seed if seed is not None else secrets.randbits(64))
+        sizes = spec.world_sizes or (1,)
+        setup = {"check": spec.name, "cells": cells, "names": present}
+        with World(max(sizes), setup, label=spec.name) as world:
+            why = world.wait_ready(STARTUP_TIMEOUT)
+            if why is not None:
+                failure = (None, why)
+            for ws in sizes if why is None else ():
+                inputs = spec.make_inputs(rng, ws)
+                rnd = world.run_round(ws, inputs, timeout or spec.timeout)
+                if rnd.failure is not None:
+                    failure = (ws if spec.world_sizes else None, rnd.failure)
                     break
-            records = _read_records(progress)
-    elif payload is not None:
-        rec = MemoryRecorder()
-        try:
-            with forbid(spec.forbidden, spec.forbid_torch_ddp) as guard:
-                objs = cloudpickle.loads(payload)
-                spec.run(rec, objs["main"], objs["extras"], Reference(spec, rec, guard))
-        except Exception as exc:  # noqa: BLE001 - learner code: report, never crash the notebook
-            missing = type(exc).__name__ == NOT_IMPLEMENTED
-            failure = ("error", f"not implemented yet: {exc}" if missing
-                       else f"raised {type(exc).__name__}: {exc}")
-        records = rec.records
-    if failure and failure[1].startswith("not implemented yet"):
-        notes.insert(0, failure[1])
-    return CheckResult(spec.name, spec.exercise, spec.title or spec.name,
-                       _merge(spec, criteria, records, failure, static), spec.points,
+                records += spec.judge(ws, inputs, rnd.outputs, rnd.events)
+    if failure is not None and failure[1].exc_type == NOT_IMPLEMENTED:
+        notes.insert(0, f"not implemented yet: {failure[1].text.split(': ', 2)[-1]}")
+    criteria = _merge(spec, present, defined, records, failure, findings)
+    return CheckResult(spec.name, spec.exercise, spec.title or spec.name, criteria, spec.points,
                        time.perf_counter() - t0, notes)
+
+
+def _sources_of(obj) -> list[tuple[str, str]]:
+    """The code the learner ran: the kernel's cells in order, or the file ``obj`` comes from."""
+    import inspect
+    import sys
+
+    module = getattr(obj, "__module__", None)
+    if module == "__main__":
+        try:
+            from IPython import get_ipython
+
+            ip = get_ipython()
+        except ImportError:
+            ip = None
+        if ip is not None and "In" in ip.user_ns:
+            return [(f"<In [{i}]>", src) for i, src in enumerate(ip.user_ns["In"]) if src]
+    mod = sys.modules.get(module or "")
+    if mod is None:
+        raise ValueError(f"check() could not find the source of {obj!r}: define it with def or "
+                         "class in a notebook cell or a .py file.")
+    return [(f"<{getattr(mod, '__file__', module)}>", inspect.getsource(mod))]
+
+
+def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
+          **extras) -> CheckResult:
+    """Check the learner's ``obj`` on the grader's cases; show and return the report.
+
+    The learner's quick self-check: the same cases, processes and verdicts as
+    ``dpcourse grade``, run on the definitions this kernel has executed. Never
+    raises because of the learner's code: an exception, a hang or a missing
+    implementation (``NotImplementedError``) becomes failed criteria.
+
+    Args:
+        name: which exercise, e.g. ``"ring_all_reduce"`` (see :func:`available_checks`).
+        obj: the learner's function or class (defined with ``def``/``class``).
+        timeout: seconds per round before the ranks count as hung (default: the check's).
+        quiet: don't display the report (it is still returned).
+        **extras: the check's further definitions under other names, e.g.
+            ``chunk_bounds=my_bounds``; by default the notebook's standard names are used.
+
+    Returns:
+        A :class:`~dpcourse.grading.report.CheckResult` (``.score``, ``.criteria``,
+        ``.points``); in Jupyter it renders as a table.
+    """
+    spec = get_spec(name)
+    roles = spec.roles
+    if os.environ.get(SKIP_ENV) == "1":
+        # Inside `dpcourse grade`'s kernel: the grader runs this check itself, afterwards.
+        result = CheckResult(spec.name, spec.exercise, spec.title, [], spec.points, 0.0,
+                             ["not run here: dpcourse grade runs this check on your definitions"])
+        if not quiet:
+            show(result)
+        return result
+    unknown = set(extras) - (set(roles) - {"main"})
+    if unknown:
+        raise TypeError(f"check({name!r}) got unexpected keyword(s) {sorted(unknown)}; it accepts "
+                        f"{sorted(set(roles) - {'main'}) or 'none'}.")
+    names = dict(roles)
+    for role, value in [("main", obj), *extras.items()]:
+        label = getattr(value, "__name__", "")
+        if not label.isidentifier():
+            raise ValueError(f"check({name!r}): {role} must be a function or class defined with "
+                             f"def/class (got {value!r}).")
+        names[role] = label
+    cells, problems = extract(_sources_of(obj))
+    result = run_check(spec, cells, names, timeout=timeout, problems=problems)
+    if not quiet:
+        show(result)
+    return result

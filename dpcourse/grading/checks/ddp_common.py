@@ -1,0 +1,188 @@
+"""What the data-parallel checks (03, 06, 07) share: the model, the training run, the verdicts.
+
+Every rank builds the check's small MLP from its *own* fresh seed (so a missing
+start-up broadcast shows), trains it for a few SGD steps on its shard of fresh
+random batches, and returns its gradients and parameters after each step.
+The grader computes what DDP computes, and what one process on the whole batch
+computes (:func:`dpcourse.grading.oracles.train_reference`), and compares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from dpcourse.grading.checks.base import Record, begin, events_of
+from dpcourse.grading.criteria import Criterion, mismatch, tolerance
+
+IN, HIDDEN, MID, OUT = 8, 16, 12, 4
+BATCH = 4     # samples per rank and micro-batch
+STEPS = 3
+LR = 0.05
+
+C_BROADCAST = Criterion(
+    "initial_broadcast", "after construction every rank holds rank 0's parameters",
+    "Every rank builds its model from its own random seed. In __init__, copy rank 0's values "
+    "into every replica: dist.broadcast(p.data, src=0) for each parameter (and buffer).")
+C_AVERAGED = Criterion(
+    "grads_averaged", "after backward + sync, param.grad equals DDP's gradient (the mean over "
+    "ranks)", "dist.all_reduce sums; DDP averages. Divide every gradient by world_size (before "
+    "or after the sum). A ratio equal to the world size in the message means the divide is "
+    "missing.", weight=2)
+C_DDP = Criterion(
+    "matches_torch_ddp", "parameters after each of 3 SGD steps equal what torch DDP computes",
+    "Check the other criteria first: a missing broadcast or a wrong average both show up here.",
+    weight=3)
+C_SINGLE = Criterion(
+    "matches_single_process", "parameters after 3 steps equal one process training on the whole "
+    "global batch", "Data parallelism is exact: the mean of the ranks' mean-loss gradients is "
+    "the gradient of the global mean loss.", weight=2)
+NONE_GRAD_HINT = (
+    "p.grad is None inside your hook: a hook registered with register_hook runs before the "
+    "gradient is accumulated into p.grad (it receives the gradient as its argument). Use "
+    "p.register_post_accumulate_grad_hook(hook), which runs once p.grad is set.")
+
+
+def tolerance_note() -> str:
+    return (f"tolerances (rtol, atol), float32: vs DDP {tolerance('gloo', torch.float32, 'vs_ddp')}"
+            f", vs one process {tolerance('gloo', torch.float32, 'vs_single')}; fresh random "
+            "seeds and batches on each run")
+
+
+def make_model(seed: int) -> nn.Sequential:
+    """Return the check's MLP (six parameters of distinct sizes) built from ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, MID), nn.ReLU(),
+                         nn.Linear(MID, OUT))
+
+
+def param_bytes() -> list[int]:
+    return [p.numel() * p.element_size() for p in make_model(0).parameters()]
+
+
+def make_inputs(rng, world_size: int, accumulation: int, runs: list[dict]) -> list[dict]:
+    """Fresh seeds and batches; rank r gets only its own seed and shard."""
+    seeds = [rng.getrandbits(31) for _ in range(world_size)]
+    gen = torch.Generator().manual_seed(rng.getrandbits(62))
+    batches = [[[(torch.randn(BATCH, IN, generator=gen), torch.randn(BATCH, OUT, generator=gen))
+                 for _ in range(accumulation)] for _ in range(world_size)] for _ in range(STEPS)]
+    return [{"seed": seeds[r], "runs": runs, "batches": [batches[s][r] for s in range(STEPS)]}
+            for r in range(world_size)]
+
+
+def default_step(model, optimizer, micro_batches, loss_fn) -> None:
+    """Accumulate over the micro-batches (all but the last inside ``no_sync``), then step."""
+    optimizer.zero_grad(set_to_none=True)
+    k = len(micro_batches)
+    with model.no_sync() if k > 1 else contextlib.nullcontext():
+        for x, y in micro_batches[:-1]:
+            (loss_fn(model(x), y) / k).backward()
+    x, y = micro_batches[-1]
+    (loss_fn(model(x), y) / k).backward()
+    finish = getattr(model, "finish_gradient_synchronization", None)
+    if callable(finish):
+        finish()
+    optimizer.step()
+
+
+def _instrument(link, model, wrapped) -> None:
+    """Mark when backward reaches the first layer, when finish runs, and no_sync's window."""
+    def on_grad(grad):
+        link.mark("first_layer_backward")  # returns None: the gradient is left unchanged
+
+    def mark(module, inputs, output):
+        if output.requires_grad:
+            output.register_hook(on_grad)
+    model[0].register_forward_hook(mark)
+    finish = getattr(wrapped, "finish_gradient_synchronization", None)
+    if callable(finish):
+        def marked_finish(*args, **kwargs):
+            link.mark("finish")
+            return finish(*args, **kwargs)
+        object.__setattr__(wrapped, "finish_gradient_synchronization", marked_finish)
+    no_sync = getattr(wrapped, "no_sync", None)
+    if callable(no_sync):
+        @contextlib.contextmanager
+        def marked_no_sync(*args, **kwargs):
+            with no_sync(*args, **kwargs):
+                link.mark("no_sync_enter")
+                try:
+                    yield
+                finally:
+                    link.mark("no_sync_exit")
+        object.__setattr__(wrapped, "no_sync", marked_no_sync)
+
+
+def rank_train(link, learner: dict, inputs: dict) -> dict:
+    """Construct the learner's wrapper and train it; return what each step left behind."""
+    cls, train_step = learner["main"], learner.get("train_step") or default_step
+    out = {"runs": []}
+    for i, kwargs in enumerate(inputs["runs"]):
+        model = make_model(inputs["seed"])
+        begin(link, f"run {i}: construction")
+        wrapped = cls(model, **kwargs)
+        init = [p.detach().clone() for p in model.parameters()]
+        _instrument(link, model, wrapped)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        run = {"init": init, "grads": [], "params": []}
+        for step, micro in enumerate(inputs["batches"]):
+            begin(link, f"run {i}: step {step}")
+            train_step(wrapped, optimizer, micro, nn.functional.mse_loss)
+            run["grads"].append([None if p.grad is None else p.grad.detach().clone()
+                                 for p in model.parameters()])
+            run["params"].append([p.detach().clone() for p in model.parameters()])
+        out["runs"].append(run)
+    return out
+
+
+def step_events(events: list, run: int, step: int) -> list:
+    return events_of(events, f"run {run}: step {step}")
+
+
+def judge_training(ws, inputs, outputs, events, grads_crit=C_AVERAGED.name, run=0) -> list:
+    """Records for initial_broadcast, the gradient, matches_torch_ddp, matches_single_process."""
+    from dpcourse.grading import oracles
+
+    batches = [[inputs[r]["batches"][s] for r in range(ws)] for s in range(STEPS)]
+    ref = oracles.train_reference(make_model, inputs[0]["seed"], batches, LR)
+    names = [n for n, _ in make_model(0).named_parameters()]
+    tol_ddp, tol_one = tolerance("gloo", torch.float32, "vs_ddp"), \
+        tolerance("gloo", torch.float32, "vs_single")
+    recs = []
+    for r in range(ws):
+        out = outputs[r]["runs"][run]
+        bad = [(n, m) for n, a, b in zip(names, out["init"], ref["init"]) if (m := mismatch(a, b, 0, 0))]
+        recs.append(Record(C_BROADCAST.name, not bad, f"rank {r}, {bad[0][0]}: {bad[0][1]}"
+                           if bad else ""))
+        bad = [(n, "no gradient" if a is None else mismatch(a, b, *tol_ddp))
+               for n, a, b in zip(names, out["grads"][0], ref["ddp"]["grads"][0])]
+        bad = [x for x in bad if x[1]]
+        detail = f"rank {r}, step 0, {bad[0][0]}.grad: {bad[0][1]}" if bad else ""
+        finished = [e for e in step_events(events[r], run, 0) if e.get("label") == "finish"]
+        if bad and not finished:
+            detail += (" — model.finish_gradient_synchronization() was never called in the step: "
+                       "gradients left by the hooks were not waited for and averaged")
+        recs.append(Record(grads_crit, not bad, detail))
+        for step in range(STEPS):
+            bad = [(n, m) for n, a, b in zip(names, out["params"][step], ref["ddp"]["params"][step])
+                   if (m := mismatch(a, b, *tol_ddp))]
+            recs.append(Record(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad[0][0]}: "
+                               f"{bad[0][1]}" if bad else ""))
+        bad = [(n, m) for n, a, b in zip(names, out["params"][-1], ref["single"]["params"][-1])
+               if (m := mismatch(a, b, *tol_one))]
+        recs.append(Record(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, "
+                           f"{bad[0][0]}: {bad[0][1]}" if bad else ""))
+    return recs
+
+
+def explain(text: str) -> str:
+    """Hints for errors learner wrappers commonly raise."""
+    if "'NoneType' object has no attribute" in text:
+        return NONE_GRAD_HINT
+    if "Default process group has not been initialized" in text:
+        return ("Something in your code used torch's own process group (torch DDP, or a course "
+                "reference), which does not exist while your code is graded: communicate with "
+                "dist.all_reduce / dist.broadcast yourself.")
+    return ""

@@ -1,0 +1,46 @@
+"""Exercise 03: naive data parallelism (broadcast at start, one averaged all-reduce per gradient)."""
+
+from __future__ import annotations
+
+from dpcourse.grading.checks import ddp_common as d
+from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
+from dpcourse.grading.shim import COLLECTIVES, P2P
+
+
+class NaiveDDP(Exercise):
+    """``NaiveDDP(module)``: broadcast at start, one all-reduce per parameter, averaged."""
+
+    name, exercise, title = "naive_ddp", "03", "Naive data parallelism"
+    defines = (("main", "NaiveDDP"),)
+    world_sizes = (2, 3)
+    dist_api = P2P + COLLECTIVES
+    timeout = 45.0
+    criteria = (d.C_DDP, d.C_BROADCAST, d.C_AVERAGED, d.C_SINGLE, Criterion(
+        "one_all_reduce_per_parameter", "each step all-reduces every parameter's gradient once",
+        "Loop over the trainable parameters and call dist.all_reduce(p.grad) once for each, in "
+        "finish_gradient_synchronization().", needs=(d.C_AVERAGED.name,)),
+        no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name))
+    notes = (d.tolerance_note(),)
+
+    def make_inputs(self, rng, world_size):
+        return d.make_inputs(rng, world_size, 1, [{}])
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        return d.rank_train(link, learner, inputs)
+
+    def judge(self, ws, inputs, outputs, events):
+        recs = d.judge_training(ws, inputs, outputs, events)
+        sizes = sorted(d.param_bytes())
+        for r in range(ws):
+            for step in range(d.STEPS):
+                got = sorted(e["nbytes"] for e in d.step_events(events[r], 0, step)
+                             if e["op"] == "all_reduce")
+                recs.append(Record("one_all_reduce_per_parameter", got == sizes,
+                                   f"rank {r}, step {step}: all-reduces of {got} bytes, the "
+                                   f"parameters have {sizes} bytes"))
+        return recs
+
+    def explain(self, text):
+        return d.explain(text)

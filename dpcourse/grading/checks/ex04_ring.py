@@ -1,0 +1,247 @@
+"""Exercise 04: ring all-reduce from send/recv.
+
+The ranks run on the grader's process group, which offers only point-to-point
+messages: no collective exists to call. The grader delivers every message,
+so it knows each rank's peers and bytes, and it checks the sums against its
+own oracle on fresh random tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpcourse.grading.checks.base import Exercise, Record, begin, events_of
+from dpcourse.grading.criteria import (Criterion, mismatch, no_deadlock, no_delegation,
+                                       tolerance)
+from dpcourse.grading.shim import P2P
+
+MATCH = "matches_all_reduce"
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def _shapes(ws: int, rng) -> list[tuple[str, tuple, str]]:
+    odd = rng.randrange(1, 200) * ws + rng.randrange(1, ws) if ws > 1 else 7
+    regular = [(MATCH, (ws,), "float32"), (MATCH, (8 * ws,), "float32"),
+               (MATCH, (2 * ws, 3), "float32"), (MATCH, (rng.randrange(256, 1024) * ws,), "float32"),
+               (MATCH, (4 * ws,), "float64"), (MATCH, (6 * ws,), "bfloat16")]
+    awkward = [("awkward_lengths", s, "float32")
+               for s in ((0,), (1,), (max(ws - 1, 1),), (2 * ws + 1,), (odd,))]
+    return regular + awkward
+
+
+def _random(shape, dtype: str, gen) -> torch.Tensor:
+    if dtype == "bfloat16":  # small integers: sums are exact in low precision
+        return torch.randint(-8, 9, shape, generator=gen).to(torch.bfloat16)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(_DTYPES[dtype])
+
+
+def _case(shape, dtype) -> str:
+    return f"shape {tuple(shape)}, {dtype}"
+
+
+class RingAllReduce(Exercise):
+    """``ring_all_reduce(tensor, group=None)``: an in-place sum from point-to-point messages."""
+
+    name, exercise, title = "ring_all_reduce", "04", "Ring all-reduce from send/recv"
+    defines = (("main", "ring_all_reduce"), ("chunk_bounds", "chunk_bounds"),
+               ("reduce_scatter", "ring_reduce_scatter"), ("all_gather", "ring_all_gather"))
+    world_sizes = (2, 3, 4)
+    dist_api = P2P
+    dist_why = ("The ring is built from messages between neighbours: the grader's process group "
+                "offers only send, recv, isend, irecv, P2POp and batch_isend_irecv.")
+    criteria = (
+        Criterion(MATCH, "leaves the same sum as dist.all_reduce on every rank (world sizes 2, 3, "
+                  "4; float32, float64, bfloat16; 1-D and 2-D)",
+                  "If some chunks are right and others wrong, look at the chunk indices: in "
+                  "reduce-scatter step s rank r sends chunk (r - s - 1) % N and receives chunk "
+                  "(r - s - 2) % N, adding it to its own copy; in all-gather step s it sends "
+                  "(r - s) % N and receives (r - s - 1) % N, overwriting. If every value is N "
+                  "times too small or large, you averaged or summed twice.", weight=4),
+        Criterion("awkward_lengths", "also works for lengths 0, 1, fewer than the world size "
+                  "and not divisible by it",
+                  "Cut the flat tensor into N chunks whose sizes differ by at most one (the first "
+                  "numel % N chunks get one extra element); some chunks may be empty. Skip "
+                  "sending/receiving empty chunks on both sides, and return early for numel 0.",
+                  weight=2),
+        Criterion("in_place", "updates the tensor it is given (like dist.all_reduce), any shape",
+                  "Work on tensor.view(-1) (a view shares memory) and write results into it; "
+                  "don't build a new tensor and return it.", needs=(MATCH,)),
+        Criterion("ring_neighbours_only", "rank r only sends to r + 1 and receives from r - 1",
+                  "In a ring each rank talks to two neighbours: dst = (rank + 1) % N, "
+                  "src = (rank - 1) % N.", needs=(MATCH,)),
+        Criterion("bandwidth_optimal", "each rank sends 2 (N - 1) / N of the tensor's bytes",
+                  "Send one chunk (numel / N elements) per step, N - 1 steps per phase. Sending "
+                  "the whole tensor, or gathering everything on one rank, sends more.",
+                  weight=2, needs=(MATCH,)),
+        Criterion("chunk_bounds_correct", "chunk_bounds(numel, world_size, index) cuts like the "
+                  "lesson: sizes differ by at most one, the first numel % N chunks are longer",
+                  "base, extra = divmod(numel, world_size); chunk i starts at "
+                  "i * base + min(i, extra) and has base + (1 if i < extra else 0) elements.",
+                  requires="chunk_bounds"),
+        Criterion("reduce_scatter_owns_chunk_r", "after ring_reduce_scatter, chunk r on rank r "
+                  "holds the sum over all ranks", "After N - 1 steps the chunk rank r received "
+                  "last must be chunk r: receive chunk (r - s - 2) % N at step s.",
+                  requires="reduce_scatter"),
+        Criterion("all_gather_copies_chunks", "ring_all_gather copies each rank's chunk r to every "
+                  "rank", "Start by sending your own chunk r (step 0 sends (r - s) % N) and "
+                  "overwrite (copy_) the received chunk, don't add.", requires="all_gather"),
+        no_delegation(MATCH),
+        no_deadlock(MATCH),
+    )
+    notes = (f"tolerances (rtol, atol): float32 {tolerance('gloo', torch.float32, 'collective')}, "
+             f"bfloat16 {tolerance('gloo', torch.bfloat16, 'collective')}; cases are fresh random "
+             "tensors on each run",)
+
+    # -- grader: fresh cases ---------------------------------------------------------------
+    def make_inputs(self, rng, world_size):
+        from dpcourse.grading import oracles
+
+        shapes = _shapes(world_size, rng)
+        gens = [torch.Generator().manual_seed(rng.getrandbits(62)) for _ in range(world_size)]
+        per_rank = [{"cases": [], "rs": [], "ag": [], "bounds": []} for _ in range(world_size)]
+        for crit, shape, dtype in shapes:
+            for r in range(world_size):
+                per_rank[r]["cases"].append({"crit": crit, "case": _case(shape, dtype),
+                                             "x": _random(shape, dtype, gens[r])})
+        for numel in (world_size, 5 * world_size + 1, rng.randrange(20, 300)):
+            final = torch.randn(numel, generator=gens[0])
+            for r in range(world_size):
+                per_rank[r]["rs"].append(torch.randn(numel, generator=gens[r]))
+                lo, hi = oracles.chunk_bounds(numel, world_size, r)
+                x = torch.full((numel,), float("nan"))
+                x[lo:hi] = final[lo:hi]
+                per_rank[r]["ag"].append(x)
+        queries = [(n, w, i) for n in (0, 1, 2, 5, 12, rng.randrange(100, 5000))
+                   for w in (1, 2, 3, 4, rng.randrange(5, 9)) for i in range(w)]
+        per_rank[0]["bounds"] = queries
+        return per_rank
+
+    # -- rank: call the learner's code --------------------------------------------------------
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        ring = learner["main"]
+        out = {"cases": [], "rs": [], "ag": [], "bounds": []}
+        bounds = learner.get("chunk_bounds")
+        if bounds is not None:
+            begin(link, "chunk_bounds")
+            for numel, w, i in inputs["bounds"]:
+                try:
+                    got = bounds(numel, w, i)
+                    out["bounds"].append([int(v) for v in got])
+                except Exception as exc:  # noqa: BLE001 - reported as this query's failure
+                    out["bounds"].append(f"raised {type(exc).__name__}: {exc}")
+        for c in inputs["cases"]:
+            x = c["x"].clone()
+            ptr, shape = x.data_ptr(), tuple(x.shape)
+            begin(link, c["case"])
+            ret = ring(x)
+            out["cases"].append({"x": x, "same": x.data_ptr() == ptr and tuple(x.shape) == shape,
+                                 "ret": ret if isinstance(ret, torch.Tensor) else None})
+        for key, role in (("rs", "reduce_scatter"), ("ag", "all_gather")):
+            fn = learner.get(role)
+            for i, x in enumerate(inputs[key] if fn is not None else []):
+                x = x.clone()
+                begin(link, f"{role} {i}")
+                fn(x)
+                out[key].append(x)
+        return out
+
+    # -- grader: compare with the oracle -------------------------------------------------------
+    def judge(self, ws, inputs, outputs, events):
+        from dpcourse.grading import oracles
+
+        recs = []
+        for k, case in enumerate(inputs[0]["cases"]):
+            name, crit = case["case"], case["crit"]
+            xs = [inputs[r]["cases"][k]["x"] for r in range(ws)]
+            want = oracles.all_reduce_sum(xs)
+            rtol, atol = tolerance("gloo", want.dtype, "collective")
+            numel, elsize = want.numel(), want.element_size()
+            for r in range(ws):
+                got = outputs[r]["cases"][k]
+                diff = mismatch(got["x"], want, rtol, atol)
+                ret = got["ret"]
+                if diff and ret is not None and not mismatch(ret.reshape(want.shape), want, rtol,
+                                                             atol):
+                    diff = ("the tensor you were given still differs from the sum, but your "
+                            "function returned the sum in a new tensor: write the result into "
+                            "the given tensor (in place), as dist.all_reduce does")
+                elif diff and numel >= ws:
+                    chunks = [oracles.chunk_bounds(numel, ws, i) for i in range(ws)]
+                    wrong = [i for i, (a, b) in enumerate(chunks) if mismatch(
+                        got["x"].flatten()[a:b], want.flatten()[a:b], rtol, atol)]
+                    diff += f"; wrong chunks on rank {r}: {wrong} of {list(range(ws))}"
+                mine = events_of(events[r], name)
+                received = sum(e["nbytes"] for e in mine if e["op"] == "delivered")
+                if not diff and ws > 1 and numel and received < numel * elsize:
+                    diff = (f"rank {r} holds the sum but received only {received} bytes through "
+                            f"torch.distributed; the other ranks' data takes at least "
+                            f"{numel * elsize}: it came some other way")
+                    recs.append(Record("no_delegation", False, diff, name))
+                recs.append(Record(crit, not diff, f"rank {r}: {diff}" if diff else "", name))
+                if numel > 1 and want.dtype == torch.float32:
+                    recs.append(Record("in_place", got["same"],
+                                       "the tensor was replaced or reshaped instead of updated "
+                                       "in place", name))
+                right, left = (r + 1) % ws, (r - 1) % ws
+                stray = sorted({f"{e['op']} {'to' if e['op'] == 'send' else 'from'} rank "
+                                f"{e['peer']}" for e in mine
+                                if (e["op"] == "send" and e["peer"] != right)
+                                or (e["op"] == "recv" and e["peer"] != left)})
+                recs.append(Record("ring_neighbours_only", not stray, f"rank {r}: "
+                                   f"{', '.join(stray)} (its neighbours are {right} and {left})",
+                                   name))
+                if numel and numel % ws == 0:
+                    sent = sum(e["nbytes"] for e in mine if e["op"] == "send")
+                    need = oracles.ring_bytes(numel, ws, elsize)
+                    recs.append(Record("bandwidth_optimal", sent == need,
+                                       f"rank {r} sent {sent} bytes, a ring sends {need}", name))
+        self._judge_halves(ws, inputs, outputs, recs)
+        if outputs[0]["bounds"]:
+            recs.append(self._judge_bounds(inputs[0]["bounds"], outputs[0]["bounds"]))
+        return recs
+
+    @staticmethod
+    def _judge_halves(ws, inputs, outputs, recs) -> None:
+        from dpcourse.grading import oracles
+
+        for i in range(len(outputs[0]["rs"])):
+            xs = [inputs[r]["rs"][i] for r in range(ws)]
+            total = oracles.all_reduce_sum(xs)
+            for r in range(ws):
+                lo, hi = oracles.chunk_bounds(total.numel(), ws, r)
+                diff = mismatch(outputs[r]["rs"][i][lo:hi], total[lo:hi], 1e-5, 1e-5)
+                recs.append(Record("reduce_scatter_owns_chunk_r", not diff,
+                                   f"rank {r}, chunk {r} of length {total.numel()}: {diff}",
+                                   f"length {total.numel()}"))
+        for i in range(len(outputs[0]["ag"])):
+            numel = inputs[0]["ag"][i].numel()
+            final = torch.zeros(numel)
+            for r in range(ws):
+                lo, hi = oracles.chunk_bounds(numel, ws, r)
+                final[lo:hi] = inputs[r]["ag"][i][lo:hi]
+            for r in range(ws):
+                diff = mismatch(outputs[r]["ag"][i], final, 0, 0)
+                recs.append(Record("all_gather_copies_chunks", not diff, f"rank {r}: {diff}",
+                                   f"length {numel}"))
+
+    @staticmethod
+    def _judge_bounds(queries, answers) -> Record:
+        from dpcourse.grading import oracles
+
+        for (numel, w, i), got in zip(queries, answers):
+            want = list(oracles.chunk_bounds(numel, w, i))
+            if got != want:
+                return Record("chunk_bounds_correct", False,
+                              f"chunk_bounds({numel}, {w}, {i}) gave {got}, expected {want}",
+                              f"chunk_bounds({numel}, {w}, {i})")
+        return Record("chunk_bounds_correct", True)
+
+    def explain(self, text: str) -> str:
+        if "into a buffer of" in text:
+            return ("A receive buffer must match what its peer sends: allocate it with "
+                    "torch.empty_like(chunk) (same dtype), not torch.empty(n).")
+        if "is not available to graded code" in text:
+            return self.dist_why
+        return ""
+

@@ -1,0 +1,99 @@
+"""Exercise 05: torch DDP's bucket assignment (a pure function)."""
+
+from __future__ import annotations
+
+import torch
+
+from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.criteria import Criterion, no_delegation
+
+MIB = 2**20
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
+
+
+class AssignBuckets(Exercise):
+    """``assign_buckets(params, bucket_cap_mb) -> list[list[int]]``, DDP's bucketing rule."""
+
+    name, exercise, title = "assign_buckets", "05", "Bucket assignment"
+    defines = (("main", "assign_buckets"),)
+    criteria = (
+        Criterion("closes_at_cap", "a bucket closes as soon as it holds at least bucket_cap_mb "
+                  "MiB (also exactly at the cap)", "Add the parameter first, then close the "
+                  "bucket when its size in bytes is >= bucket_cap_mb * 2**20; keep the last, "
+                  "partly filled bucket too.", weight=3),
+        Criterion("reverse_order", "parameters are taken last to first (the order backward "
+                  "produces their gradients)", "Iterate over reversed(range(len(params))): the "
+                  "last layer's gradients are ready first, so they go in the first bucket.",
+                  needs=("covers_each_param_once",)),
+        Criterion("covers_each_param_once", "every parameter is in exactly one bucket",
+                  "Add every index exactly once; keep the last, partly filled bucket too."),
+        Criterion("cap_zero_one_per_param", "bucket_cap_mb=0 gives one bucket per parameter",
+                  "With a cap of 0 bytes every bucket is full after its first parameter."),
+        Criterion("counts_bytes_not_elements", "sizes are counted in bytes (float16 and float64 "
+                  "models)", "Use p.numel() * p.element_size(): a float64 gradient takes twice "
+                  "the bytes of a float32 one, a float16 gradient half.", weight=2),
+        no_delegation("closes_at_cap"),
+    )
+    allowed_imports: dict = {}
+    notes = ("cases are fresh random parameter sizes on each run",)
+
+    def make_inputs(self, rng, world_size):
+        def sizes(k, lo, hi):
+            return [rng.randrange(lo, hi) for _ in range(k)]
+
+        mf = MIB // 4
+        exact = sizes(6, 10, 400)
+        cap_exact = sum(exact[-3:]) * 4 / MIB  # the last three fill the first bucket exactly
+        cases = [
+            ("closes_at_cap", [10, mf // 2, mf // 2, 7, mf, 3], "float32", 1.0),
+            ("closes_at_cap", sizes(7, 50, 600), "float32", rng.randrange(500, 2000) * 4 / MIB),
+            ("closes_at_cap", exact, "float32", cap_exact),
+            ("closes_at_cap", sizes(9, 1, 20), "float32", 25.0),
+            ("cap_zero_one_per_param", sizes(5, 1, 9), "float32", 0.0),
+            ("covers_each_param_once", [8] * 7, "float32", 64 / MIB),
+            ("counts_bytes_not_elements", sizes(4, 40, 90), "float64", 600 / MIB),
+            ("counts_bytes_not_elements", sizes(5, 40, 90), "float16", 200 / MIB),
+        ]
+        return [{"cases": [{"crit": c, "sizes": s, "dtype": d, "cap": cap}
+                           for c, s, d, cap in cases]}]
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        assign, out = learner["main"], []
+        for case in inputs["cases"]:
+            params = [torch.nn.Parameter(torch.zeros(n, dtype=_DTYPES[case["dtype"]]))
+                      for n in case["sizes"]]
+            begin(link, case["crit"])
+            got = assign(params, case["cap"])
+            try:
+                out.append([[int(i) for i in b] for b in got])
+            except TypeError:
+                out.append({"type": type(got).__name__})
+        return out
+
+    def judge(self, ws, inputs, outputs, events):
+        from dpcourse.grading import oracles
+
+        recs = []
+        for case, got in zip(inputs[0]["cases"], outputs[0]):
+            size = {"float32": 4, "float16": 2, "float64": 8}[case["dtype"]]
+            nbytes = [n * size for n in case["sizes"]]
+            name = (f"{len(nbytes)} {case['dtype']} params of {case['sizes']} elements, cap "
+                    f"{case['cap'] * MIB:g} bytes")
+            want = oracles.buckets(nbytes, case["cap"])
+            if not isinstance(got, list):
+                recs.append(Record(case["crit"], False, f"expected a list of lists of indices, "
+                                   f"got {got['type']}", name))
+                continue
+            flat = [i for b in got for i in b]
+            recs.append(Record("reverse_order", flat == sorted(flat, reverse=True),
+                               f"indices in the order {flat}", name))
+            recs.append(Record("covers_each_param_once", sorted(flat) == list(range(len(nbytes))),
+                               f"buckets hold {sorted(flat)}, parameters are "
+                               f"0..{len(nbytes) - 1}", name))
+            detail = f"got {got}, expected {want}"
+            if got != want and got == oracles.buckets(nbytes, case["cap"], strict=True):
+                detail += (" (a bucket that reaches exactly the cap must close: compare with >=,"
+                           " not >)")
+            recs.append(Record(case["crit"], got == want, detail, name))
+        return recs

@@ -1,0 +1,92 @@
+"""Exercise 06: bucketed all-reduces started from gradient hooks, overlapping backward."""
+
+from __future__ import annotations
+
+from dpcourse.grading.checks import ddp_common as d
+from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
+from dpcourse.grading.shim import COLLECTIVES, P2P
+
+MIB = 2**20
+CAPS = (500 / MIB, 0.0)  # a few buckets, then one per parameter
+
+
+class OverlappedDDP(Exercise):
+    """``OverlappedDDP(module, bucket_cap_mb=...)``: bucketed all-reduces started from hooks."""
+
+    name, exercise, title = "overlapped_ddp", "06", "Overlapped bucketed data parallelism"
+    defines = (("main", "OverlappedDDP"),)
+    world_sizes = (2,)
+    dist_api = P2P + COLLECTIVES
+    allowed_imports = {"dpcourse.ddp": {"assign_buckets"}, "dpcourse.ddp.buckets":
+                       {"assign_buckets"}}
+    timeout = 45.0
+    criteria = (d.C_DDP, d.C_BROADCAST, d.C_AVERAGED, d.C_SINGLE,
+                Criterion("one_all_reduce_per_bucket", "each step issues exactly one all-reduce "
+                          "per bucket (bucket_cap_mb = 500 bytes and 0)",
+                          "Flatten each bucket's gradients into one buffer and all-reduce the "
+                          "buffer once, when the bucket's last gradient arrives."),
+                Criterion("buckets_in_reverse_order", "buckets follow DDP's rule (reverse "
+                          "parameter order, close at the cap) and go out in the order they fill",
+                          "Gradients arrive last layer first: assign buckets from the last "
+                          "parameter to the first, and launch each bucket as soon as it is full."),
+                Criterion("starts_during_backward", "the first all-reduce of a step starts "
+                          "before backward reaches the first layer",
+                          "Launch a bucket's all-reduce from the gradient hook "
+                          "(register_post_accumulate_grad_hook) of its last parameter, not after "
+                          "loss.backward() returns.", weight=2),
+                Criterion("no_serialising_wait", "every bucket's all-reduce is issued "
+                          "(async_op=True) before the first wait", "Keep the work handles and "
+                          "wait for them all in finish_gradient_synchronization(); a wait (or a "
+                          "blocking all-reduce) inside the hook stalls backward until the "
+                          "communication is done, which is exactly what overlap avoids.",
+                          needs=("one_all_reduce_per_bucket",)),
+                no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name))
+    notes = (d.tolerance_note(),)
+
+    def make_inputs(self, rng, world_size):
+        return d.make_inputs(rng, world_size, 1, [{"bucket_cap_mb": cap} for cap in CAPS])
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        return d.rank_train(link, learner, inputs)
+
+    def judge(self, ws, inputs, outputs, events):
+        from dpcourse.grading import oracles
+
+        recs = d.judge_training(ws, inputs, outputs, events)
+        nbytes = d.param_bytes()
+        for i, cap in enumerate(CAPS):
+            want = [sum(nbytes[j] for j in b) for b in oracles.buckets(nbytes, cap)]
+            for r in range(ws):
+                for step in range(d.STEPS):
+                    case = f"bucket_cap_mb={cap:g} ({cap * MIB:g} bytes), rank {r}, step {step}"
+                    recs += self._structure(d.step_events(events[r], i, step), want, case)
+        return recs
+
+    @staticmethod
+    def _structure(events, want, case) -> list:
+        order = [e for e in events if e["op"] in ("all_reduce", "wait", "mark")]
+        colls = [k for k, e in enumerate(order) if e["op"] == "all_reduce"]
+        got = [order[k]["nbytes"] for k in colls]
+        recs = [Record("one_all_reduce_per_bucket", len(got) == len(want),
+                       f"{len(got)} all-reduces, expected {len(want)} buckets", case),
+                Record("buckets_in_reverse_order", got == want,
+                       f"all-reduce sizes in issue order {got} bytes, expected {want}", case)]
+        marks = [k for k, e in enumerate(order) if e.get("label") == "first_layer_backward"]
+        recs.append(Record("starts_during_backward", bool(colls and marks and colls[0] < marks[-1]),
+                           "no all-reduce was issued before backward reached the first layer",
+                           case))
+        waits = [k for k, e in enumerate(order) if e["op"] == "wait"]
+        blocking = [k for k in colls if not order[k]["async_op"]]
+        detail = ""
+        if blocking:
+            detail = f"{len(blocking)} all-reduce(s) were blocking (async_op=False)"
+        elif colls and waits and waits[0] < colls[-1]:
+            detail = ("a bucket was waited on before the next bucket was issued: the waits "
+                      "serialise communication with backward")
+        recs.append(Record("no_serialising_wait", not detail, detail, case))
+        return recs
+
+    def explain(self, text):
+        return d.explain(text)

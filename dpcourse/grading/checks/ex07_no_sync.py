@@ -1,0 +1,72 @@
+"""Exercise 07: gradient accumulation with ``no_sync()`` and one sync per optimizer step."""
+
+from __future__ import annotations
+
+from dpcourse.grading.checks import ddp_common as d
+from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
+from dpcourse.grading.shim import COLLECTIVES, P2P
+
+ACCUMULATION = 4
+
+
+class NoSync(Exercise):
+    """Gradient accumulation: ``no_sync()`` on the learner's wrapper, and the accumulation loop."""
+
+    name, exercise, title = "no_sync", "07", "Gradient accumulation with no_sync"
+    defines = (("main", "HookedDDP"), ("train_step", "accumulation_step"))
+    world_sizes = (2,)
+    dist_api = P2P + COLLECTIVES
+    timeout = 45.0
+    criteria = (
+        d.C_DDP, d.C_SINGLE,
+        Criterion("no_collective_inside_no_sync", "no all-reduce is issued inside no_sync()",
+                  "Inside no_sync() the hooks must not communicate: set a flag (e.g. "
+                  "self.require_backward_grad_sync = False) in no_sync and check it in the hook; "
+                  "restore it in a finally block.", weight=2, needs=(d.C_DDP.name,)),
+        Criterion("syncs_once_per_step", "each gradient is all-reduced exactly once per "
+                  "optimizer step (on the last micro-batch)", "Run every micro-batch but the "
+                  "last inside model.no_sync(); the last backward syncs the accumulated sum.",
+                  weight=2),
+        Criterion("grads_averaged_over_micro_batches", "the accumulated gradient equals DDP's "
+                  "(mean over ranks and micro-batches)", "Divide each micro-batch's loss by "
+                  "the number of micro-batches, so the accumulated sum is a mean; and call "
+                  "model.finish_gradient_synchronization() before optimizer.step().",
+                  requires="train_step", weight=2),
+        no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name),
+    )
+    notes = (d.tolerance_note(),)
+
+    def make_inputs(self, rng, world_size):
+        return d.make_inputs(rng, world_size, ACCUMULATION, [{}])
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        return d.rank_train(link, learner, inputs)
+
+    def judge(self, ws, inputs, outputs, events):
+        recs = [r for r in d.judge_training(ws, inputs, outputs, events,
+                                            grads_crit="grads_averaged_over_micro_batches")
+                if r.criterion != d.C_BROADCAST.name]
+        total = sum(d.param_bytes())
+        for r in range(ws):
+            for step in range(d.STEPS):
+                events_ = d.step_events(events[r], 0, step)
+                inside, window, windows = [], False, 0
+                for e in events_:
+                    if e.get("label") == "no_sync_enter":
+                        window, windows = True, windows + 1
+                    elif e.get("label") == "no_sync_exit":
+                        window = False
+                    elif e["op"] == "all_reduce" and window:
+                        inside.append(e)
+                detail = (f"rank {r}, step {step}: {len(inside)} all-reduce(s) inside no_sync"
+                          if windows else f"rank {r}, step {step}: no_sync() was never entered")
+                recs.append(Record("no_collective_inside_no_sync", windows and not inside, detail))
+                got = sum(e["nbytes"] for e in events_ if e["op"] == "all_reduce")
+                recs.append(Record("syncs_once_per_step", got == total, f"rank {r}, step {step}: "
+                                   f"all-reduced {got} bytes of gradients, the model has {total}"))
+        return recs
+
+    def explain(self, text):
+        return d.explain(text)

@@ -1,0 +1,81 @@
+"""Execute one notebook for ``dpcourse grade`` (run as ``python -m dpcourse.grading.executor``).
+
+The grader starts this process in its own session with a private working
+directory, temp dir and Jupyter runtime dir, and kills it together with its
+kernel (and anything the kernel started) at the time limit. This process only
+runs the cells and records progress; it decides nothing about scores.
+
+Usage: ``python -m dpcourse.grading.executor IN.ipynb OUT.ipynb PROGRESS``. PROGRESS
+receives ``ready``, then ``start N`` before and ``done N`` after each code cell, and
+a last line ``end STATUS N MESSAGE``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def _kernel_manager_class():
+    """An async kernel manager whose kernel runs this very interpreter."""
+    import ipykernel.kernelspec
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+
+    class CurrentEnv(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES,
+                                          **ipykernel.kernelspec.get_kernel_dict())
+
+    class Manager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            kwargs.setdefault("kernel_spec_manager", CurrentEnv())
+            super().__init__(**kwargs)
+
+    return Manager
+
+
+def main(src: str, dst: str, progress_path: str) -> int:
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, DeadKernelError
+
+    progress = open(progress_path, "a", buffering=1)
+    nb = nbformat.read(src, as_version=4)
+
+    def save():
+        nbformat.write(nb, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)
+
+    client = NotebookClient(nb, timeout=None, allow_errors=False,
+                            kernel_manager_class=_kernel_manager_class(),
+                            resources={"metadata": {"path": os.getcwd()}})
+    status, index, message = "ok", -1, ""
+    try:
+        with client.setup_kernel(stderr=subprocess.DEVNULL):
+            progress.write("ready\n")
+            for index, cell in enumerate(nb.cells):
+                if cell.cell_type != "code":
+                    continue
+                progress.write(f"start {index}\n")
+                try:
+                    client.execute_cell(cell, index)
+                finally:
+                    save()
+                progress.write(f"done {index}\n")
+    except CellExecutionError as exc:
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        status, message = "error", lines[-1] if lines else type(exc).__name__
+    except DeadKernelError as exc:
+        status, message = "died", f"the kernel died ({exc})"
+    except Exception as exc:  # noqa: BLE001 - anything else ends this notebook, not the run
+        status, message = "error", f"{type(exc).__name__}: {exc}"
+    save()
+    progress.write(f"end {status} {index} {message.replace(chr(10), ' ')}\n")
+    progress.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:4]))

@@ -1,0 +1,153 @@
+"""What ``dpcourse grade`` writes: the score table, JSON, gradebook CSVs and feedback notebooks.
+
+- ``--csv``: one row per submission, check and criterion (long format, for a spreadsheet
+  or pandas): submission, notebook, exercise, check, criterion, weight, passed, points,
+  max_points, detail. The points of a check's rows add up to the check's points.
+- ``--lms-csv``: one row per submission, one column per exercise and a total, with the
+  ``Student``/``ID`` columns first. Canvas's gradebook import (Grades > Import) and
+  Moodle's CSV grade import (Grades > Import > CSV file, mapping ``ID`` to the username
+  or e-mail) both read this layout; the submission folder name is used as the ID.
+- ``--feedback DIR``: per notebook, ``DIR/<submission>/<name>.feedback.ipynb`` (the
+  executed notebook with the report as its first cell) and the same as ``.html``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+from dpcourse.formatting import format_table
+from dpcourse.grading.report import strip_ansi
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def score_table(report: dict) -> str:
+    """Return the score table: one row per exercise, totals per submission, notebook problems."""
+    rows = [{"submission": r["submission"], "notebook": r["notebook"], "exercise": r["exercise"],
+             "check": r["check"], "criteria": f"{r['passed']}/{r['total']}",
+             "points": f"{r['points']:g}/{r['max_points']:g}"} for r in report["results"]]
+    out = [format_table(rows)] if rows else ["no exercise checks matched these notebooks"]
+    subs = sorted({r["submission"] for r in report["results"]})
+    if len(subs) > 1:
+        for s in subs:
+            mine = [r for r in report["results"] if r["submission"] == s]
+            out.append(f"{s}: {sum(r['points'] for r in mine):g}/"
+                       f"{sum(r['max_points'] for r in mine):g} points")
+    out.append(f"total: {report['points']:g}/{report['max_points']:g} points")
+    for nb in report["notebooks"]:
+        if nb["status"] != "ok":
+            out.append(f"{nb['submission']}/{nb['notebook']}: {nb['status']}: "
+                       f"{strip_ansi(nb['message'])}")
+    return "\n".join(out)
+
+
+def write_json(report: dict, path: str) -> None:
+    _atomic_write(path, json.dumps(report, indent=2))
+
+
+def criterion_points(row: dict) -> list[float]:
+    """Each criterion's share of the check's points (zero everywhere when a gate failed)."""
+    crits = row["criteria"]
+    total = sum(c["weight"] for c in crits) or 1.0
+    if row["points"] == 0:
+        return [0.0] * len(crits)
+    return [round(row["max_points"] * c["weight"] / total, 2) if c["passed"] else 0.0
+            for c in crits]
+
+
+def write_csv(report: dict, path: str) -> None:
+    """One row per submission, check and criterion."""
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["submission", "notebook", "exercise", "check", "criterion", "weight", "passed",
+                "points", "max_points", "detail"])
+    for row in report["results"]:
+        total = sum(c["weight"] for c in row["criteria"]) or 1.0
+        for c, pts in zip(row["criteria"], criterion_points(row)):
+            w.writerow([row["submission"], row["notebook"], row["exercise"], row["check"],
+                        c["name"], c["weight"], int(c["passed"]), pts,
+                        round(row["max_points"] * c["weight"] / total, 2),
+                        strip_ansi(c["detail"]).splitlines()[0] if c["detail"] else ""])
+    _atomic_write(path, buf.getvalue())
+
+
+def write_lms_csv(report: dict, path: str) -> None:
+    """One row per submission: Student, ID, one column per exercise, Total."""
+    import io
+
+    columns = []
+    for r in report["results"]:
+        col = f"Exercise {r['exercise']}: {r['title']} ({r['max_points']:g})"
+        if col not in columns:
+            columns.append(col)
+    table = {}
+    for r in report["results"]:
+        col = f"Exercise {r['exercise']}: {r['title']} ({r['max_points']:g})"
+        table.setdefault(r["submission"], {})[col] = r["points"]
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["Student", "ID", *columns, "Total"])
+    for sub, marks in sorted(table.items()):
+        w.writerow([sub, sub, *[marks.get(c, 0) for c in columns],
+                    round(sum(marks.values()), 1)])
+    _atomic_write(path, buf.getvalue())
+
+
+def report_markdown(info: dict, results: list) -> str:
+    """The feedback report as Markdown: status, then each check's criteria."""
+    lines = ["# Grading report", ""]
+    if info.get("status") not in ("ok", None):
+        lines += [f"**The notebook did not run to the end** ({info['status']}): "
+                  f"{strip_ansi(info.get('message', ''))}", ""]
+    for r in results:
+        lines += [f"## {r.headline()}", "", "| | criterion | weight | what it checks |",
+                  "|---|---|---|---|"]
+        for c in r.criteria:
+            mark = "PASS" if c.passed else "FAIL"
+            lines.append(f"| {mark} | `{c.name}` | {c.weight:g} | {c.description} |")
+        lines.append("")
+        for c in r.criteria:
+            if not c.passed and c.detail:
+                lines.append(f"- **{c.name}**: {_md(c.detail)}")
+                if c.hint:
+                    lines.append(f"  - hint: {_md(c.hint)}")
+        lines += [f"- note: {_md(n)}" for n in r.notes] + [""]
+    return "\n".join(lines)
+
+
+def _md(text: str) -> str:
+    return strip_ansi(text).replace("\n", " <br> ").replace("|", "\\|")
+
+
+def write_feedback(folder: str, submission: str, name: str, executed, original: str,
+                   info: dict, results: list) -> None:
+    """Write ``<name>.feedback.ipynb`` and ``.html``: the executed notebook after the report."""
+    import nbformat
+
+    nb = executed
+    if nb is None:
+        try:
+            nb = nbformat.reads(original, as_version=4)
+        except Exception:  # noqa: BLE001 - unreadable: the report alone
+            nb = nbformat.v4.new_notebook()
+    nb.cells.insert(0, nbformat.v4.new_markdown_cell(report_markdown(info, results)))
+    out = os.path.join(folder, submission)
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, name[:-len(".ipynb")] if name.endswith(".ipynb") else name)
+    _atomic_write(stem + ".feedback.ipynb", nbformat.writes(nb))
+    try:
+        from nbconvert import HTMLExporter
+
+        html, _ = HTMLExporter().from_notebook_node(nb)
+    except Exception as exc:  # noqa: BLE001 - HTML is a convenience; the notebook is written
+        html = f"<pre>could not render HTML ({type(exc).__name__}); see the .ipynb</pre>"
+    _atomic_write(stem + ".feedback.html", html)

@@ -1,0 +1,79 @@
+"""Keep the course package's files as they were when grading started.
+
+Notebook code can write to disk. Before each notebook's checks run, every file
+of the installed ``dpcourse`` package is compared with the copy taken at the
+start of the run; a changed, added or removed file is put back (compiled
+caches are simply removed, Python rebuilds them) and reported, so an edited
+grader never grades this notebook or any later one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dpcourse
+
+ROOT = os.path.dirname(os.path.abspath(dpcourse.__file__))
+
+
+def _walk(root: str) -> dict[str, bytes]:
+    files = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                with open(path, "rb") as f:
+                    files[os.path.relpath(path, root)] = f.read()
+            except OSError:
+                continue
+    return files
+
+
+class PackageSnapshot:
+    """The bytes of every file under the package, taken now."""
+
+    def __init__(self, root: str = ROOT):
+        self.root = root
+        self.files = _walk(root)
+
+    def restore(self) -> list[str]:
+        """Put back what changed since the snapshot; return the source files that had changed."""
+        now = _walk(self.root)
+        changed = []
+        for rel, data in now.items():
+            path = os.path.join(self.root, rel)
+            if "__pycache__" in rel:
+                if self.files.get(rel) != data:
+                    # A cache may be forged to match its source's size and time: drop any
+                    # written since (Python compiles the source again on the next import).
+                    _remove(path)
+                continue
+            if self.files.get(rel) != data:
+                changed.append(rel)
+                if rel in self.files:
+                    _write(path, self.files[rel])
+                else:
+                    _remove(path)
+        for rel, data in self.files.items():
+            if rel not in now and "__pycache__" not in rel:
+                changed.append(rel)
+                os.makedirs(os.path.dirname(os.path.join(self.root, rel)), exist_ok=True)
+                _write(os.path.join(self.root, rel), data)
+        return sorted(changed)
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        os.chmod(path, 0o644)
+    except OSError:
+        pass
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -1,0 +1,135 @@
+"""The grader's answers, written independently of the course package on purpose.
+
+Each function here restates, from its definition, what an exercise must
+compute, without importing ``dpcourse.comm``, ``dpcourse.ddp`` or
+``dpcourse.costmodel``: a bug in the reference cannot hide the same bug in a
+learner's code, and tests compare these with torch (collectives, torch DDP).
+
+Only the grader's own process imports this module. Graded ranks cannot
+(``dpcourse.grading.rank`` blocks it), and nothing here is sent to them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MIB = 2**20
+
+
+# -- lesson 02: what collectives leave on each rank ----------------------------------------
+def collective(op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What ``dist.<op>`` leaves on each rank (sum; broadcast from rank 0; 1-D inputs)."""
+    n = len(inputs)
+    total = inputs[0].clone()
+    for t in inputs[1:]:
+        total = total + t
+    if op == "all_reduce":
+        return [total.clone() for _ in range(n)]
+    if op == "reduce_scatter":
+        k = total.numel() // n
+        return [total[r * k:(r + 1) * k].clone() for r in range(n)]
+    if op == "all_gather":
+        return [torch.cat(inputs) for _ in range(n)]
+    if op == "broadcast":
+        return [inputs[0].clone() for _ in range(n)]
+    raise ValueError(op)
+
+
+# -- lesson 04: the ring's chunks and its result ---------------------------------------------
+def chunk_bounds(numel: int, world_size: int, index: int) -> tuple[int, int]:
+    """Chunk ``index`` of ``numel`` cut into ``world_size`` parts whose sizes differ by <= 1."""
+    sizes = [numel // world_size + (1 if i < numel % world_size else 0)
+             for i in range(world_size)]
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
+def all_reduce_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The elementwise sum of every rank's tensor, in their dtype."""
+    total = inputs[0].clone()
+    for t in inputs[1:]:
+        total += t
+    return total
+
+
+def ring_bytes(numel: int, world_size: int, element_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` elements (``numel % N == 0``)."""
+    return 2 * (world_size - 1) * (numel // world_size) * element_size
+
+
+# -- lesson 05: torch DDP's bucket rule ----------------------------------------------------------
+def buckets(nbytes: list[int], bucket_cap_mb: float, strict: bool = False) -> list[list[int]]:
+    """Indices per bucket: last parameter first; a bucket closes once it holds >= the cap.
+
+    Args:
+        nbytes: each parameter's size in bytes, in registration order.
+        bucket_cap_mb: the cap in MiB.
+        strict: close only once a bucket holds *more* than the cap (a common mistake, used to
+            recognise it in feedback).
+    """
+    cap, out, current, size = bucket_cap_mb * MIB, [], [], 0
+    for i in range(len(nbytes) - 1, -1, -1):
+        current.append(i)
+        size += nbytes[i]
+        if size > cap or (size == cap and not strict):
+            out.append(current)
+            current, size = [], 0
+    return out + ([current] if current else [])
+
+
+# -- lesson 09: the alpha-beta model of a ring all-reduce --------------------------------------
+def ring_time(nbytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """2 (N - 1) messages of latency alpha, and 2 (N - 1) / N of the bytes at beta s/byte each."""
+    steps = 2 * (world_size - 1)
+    return steps * alpha + (steps / world_size) * nbytes * beta
+
+
+def ring_bytes_per_rank(nbytes: float, world_size: int) -> float:
+    """2 (N - 1) / N of the bytes leave each rank."""
+    return 2 * (world_size - 1) * nbytes / world_size
+
+
+# -- lessons 03, 06, 07: data-parallel training, computed in one process ------------------------
+def train_reference(model_fn, seed0: int, batches: list, lr: float) -> dict:
+    """Train what DDP computes, and one process on the whole batch; record every step.
+
+    Args:
+        model_fn: ``model_fn(seed)`` builds the check's model.
+        seed0: rank 0's seed (DDP starts every replica from rank 0's parameters).
+        batches: ``batches[step][rank]`` is a list of micro-batches ``(x, y)``.
+        lr: SGD learning rate.
+
+    Returns:
+        ``{"init", "ddp": {"grads", "params"}, "single": {"params"}}``; the DDP gradient
+        of a step is the mean over ranks of each rank's accumulated gradient, where each
+        micro-batch's mean loss is divided by the number of micro-batches.
+    """
+    init = [p.detach().clone() for p in model_fn(seed0).parameters()]
+    out = {"init": init, "ddp": {"grads": [], "params": []}, "single": {"params": []}}
+    ddp, single = model_fn(seed0), model_fn(seed0)
+    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=lr)
+    opt_one = torch.optim.SGD(single.parameters(), lr=lr)
+    loss_fn = nn.functional.mse_loss
+    for per_rank in batches:
+        n = len(per_rank)
+        grads = None
+        for micro in per_rank:
+            ddp.zero_grad(set_to_none=True)
+            for x, y in micro:
+                (loss_fn(ddp(x), y) / len(micro)).backward()
+            g = [p.grad.detach().clone() for p in ddp.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        grads = [g / n for g in grads]
+        for p, g in zip(ddp.parameters(), grads):
+            p.grad = g.clone()
+        opt_ddp.step()
+        out["ddp"]["grads"].append(grads)
+        out["ddp"]["params"].append([p.detach().clone() for p in ddp.parameters()])
+        xs = torch.cat([x for micro in per_rank for x, _ in micro])
+        ys = torch.cat([y for micro in per_rank for _, y in micro])
+        opt_one.zero_grad(set_to_none=True)
+        loss_fn(single(xs), ys).backward()
+        opt_one.step()
+        out["single"]["params"].append([p.detach().clone() for p in single.parameters()])
+    return out

@@ -1,0 +1,273 @@
+"""The ``torch.distributed`` a graded rank sees: only what the exercise allows, carried by the grader.
+
+Graded code runs in rank processes the grader starts. Its ``import
+torch.distributed as dist`` resolves to a :class:`DistModule` built here, not
+to torch's module, and torch's own process group is never initialised in
+those processes. Every message and collective goes through a socket to the
+grader, which delivers it, reduces it and counts its bytes. So:
+
+- in the ring exercise only ``send``/``recv``/``isend``/``irecv``/``P2POp``/
+  ``batch_isend_irecv`` exist: there is no collective to call, under any name;
+- torch DDP, and any course reference bound to torch's real module, cannot
+  communicate at all (the default process group does not exist);
+- the bytes a rank sends are counted by the grader, outside the rank.
+"""
+
+from __future__ import annotations
+
+import builtins
+import types
+
+import torch
+
+from dpcourse.grading import wire
+
+P2P = ("send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")
+COLLECTIVES = ("all_reduce", "broadcast", "barrier")
+
+
+class ReduceOp:
+    """The reduction names ``all_reduce`` accepts (as in ``torch.distributed.ReduceOp``)."""
+
+    SUM, PRODUCT, MIN, MAX = "sum", "product", "min", "max"
+    AVG = "avg"  # gloo has no AVG either: refused with a message
+
+
+class Link:
+    """This rank's connection to the grader: sends requests, collects replies by id."""
+
+    def __init__(self, sock):
+        self.sock, self.replies, self.next_id = sock, {}, 0
+        self.rank, self.world_size = 0, 1
+
+    def send(self, header: dict, tensors=()) -> None:
+        self.sock.sendall(wire.encode(header, tensors))
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def wait_for(self, ident: int):
+        while ident not in self.replies:
+            header, tensors = wire.recv_blocking(self.sock)
+            if header.get("t") != "done":
+                raise RuntimeError(f"unexpected message from the grader: {header.get('t')}")
+            self.replies[header["id"]] = (header, tensors)
+        return self.replies.pop(ident)
+
+    def mark(self, label: str) -> None:
+        """Put a labelled point on the grader's record of this rank's messages."""
+        self.send({"t": "mark", "label": label})
+
+
+class Work:
+    """The handle of an asynchronous operation (``work.wait()``, ``work.is_completed()``)."""
+
+    def __init__(self, link: Link, ident: int | None, on_reply=None, what: str = ""):
+        self.link, self.ident, self.on_reply, self.what = link, ident, on_reply, what
+        self.done = ident is None
+
+    def wait(self, timeout=None) -> bool:
+        if not self.done:
+            self.link.send({"t": "wait", "id": self.ident, "what": self.what})
+            header, tensors = self.link.wait_for(self.ident)
+            self.done = True
+            if self.on_reply is not None:
+                self.on_reply(header, tensors)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class P2POp:
+    """A point-to-point operation for :func:`batch_isend_irecv` (as ``dist.P2POp``)."""
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+        if peer is None and group_peer is not None:
+            self.peer = group_peer
+
+
+def _check_tensor(tensor, fn: str):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{fn} expects a torch.Tensor, got {type(tensor).__name__}")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return (f"{t.numel()} {str(t.dtype).replace('torch.', '')} elements "
+            f"({t.numel() * t.element_size()} bytes)")
+
+
+class DistModule(types.ModuleType):
+    """A stand-in for ``torch.distributed`` exposing only the names in ``allowed``.
+
+    Args:
+        link: the connection to the grader.
+        allowed: the public names graded code may use (besides rank/size queries).
+        why: what to say when code asks for another name.
+    """
+
+    def __init__(self, link: Link, allowed: tuple[str, ...], why: str):
+        super().__init__("torch.distributed", "The grader's torch.distributed for this exercise.")
+        self._link, self._allowed, self._why = link, set(allowed), why
+        self.ReduceOp, self.P2POp, self.Work = ReduceOp, P2POp, Work
+        self.group = types.SimpleNamespace(WORLD=None)
+        self.GroupMember = self.group
+
+    def __getattr__(self, name):
+        # Reached only for names not set on the module: say what exists instead.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"torch.distributed.{name} is not available to graded code in this "
+                             f"exercise. {self._why}")
+
+    def __getattribute__(self, name):
+        allowed = types.ModuleType.__getattribute__(self, "_allowed")
+        if name in P2P + COLLECTIVES and name not in allowed:
+            return types.ModuleType.__getattribute__(self, "__getattr__")(name)
+        return types.ModuleType.__getattribute__(self, name)
+
+    # -- queries ------------------------------------------------------------
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_rank(self, group=None) -> int:
+        return self._link.rank
+
+    def get_world_size(self, group=None) -> int:
+        return self._link.world_size
+
+    def get_backend(self, group=None) -> str:
+        return "gloo"  # the ranks are CPU processes, as with gloo
+
+    def get_global_rank(self, group, group_rank: int) -> int:
+        return group_rank
+
+    def get_group_rank(self, group, global_rank: int) -> int:
+        return global_rank
+
+    # -- point to point -----------------------------------------------------
+    def _peer(self, peer, fn: str) -> int:
+        if not isinstance(peer, int) or isinstance(peer, bool):
+            raise TypeError(f"{fn}: the peer rank must be an int, got {peer!r}")
+        if not 0 <= peer < self._link.world_size:
+            raise ValueError(f"{fn}: rank {peer} does not exist (world size "
+                             f"{self._link.world_size})")
+        if peer == self._link.rank:
+            raise ValueError(f"{fn}: rank {peer} cannot send to or receive from itself")
+        return peer
+
+    def isend(self, tensor, dst=None, group=None, tag=0, group_dst=None):
+        _check_tensor(tensor, "isend")
+        dst = self._peer(dst if dst is not None else group_dst, "isend")
+        self._link.send({"t": "send", "dst": dst, "tag": int(tag)}, [tensor])
+        return Work(self._link, None)
+
+    def irecv(self, tensor, src=None, group=None, tag=0, group_src=None):
+        _check_tensor(tensor, "irecv")
+        src = self._peer(src if src is not None else group_src, "irecv")
+        ident, rank = self._link.new_id(), self._link.rank
+
+        def deliver(header, tensors):
+            got = tensors[0]
+            if got.dtype != tensor.dtype or got.numel() != tensor.numel():
+                raise RuntimeError(
+                    f"rank {rank} received {_describe(got)} from rank {src} into a buffer of "
+                    f"{_describe(tensor)}: a receive buffer must have the dtype and the number "
+                    "of elements of what the peer sends (e.g. torch.empty_like(the chunk)).")
+            with torch.no_grad():
+                tensor.view(-1).copy_(got.reshape(-1)) if tensor.is_contiguous() else \
+                    tensor.copy_(got.reshape(tensor.shape))
+        self._link.send({"t": "recv", "src": src, "tag": int(tag), "id": ident})
+        return Work(self._link, ident, deliver, f"recv from rank {src}")
+
+    def send(self, tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
+        self.isend(tensor, dst, group, tag, group_dst).wait()
+
+    def recv(self, tensor, src=None, group=None, tag=0, group_src=None) -> int:
+        if src is None and group_src is None:
+            raise ValueError("recv: give src (receiving from any rank is not supported here)")
+        work = self.irecv(tensor, src, group, tag, group_src)
+        work.wait()
+        return src if src is not None else group_src
+
+    def batch_isend_irecv(self, p2p_op_list):
+        if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+            raise ValueError("batch_isend_irecv expects a non-empty list of P2POp")
+        works = []
+        for op in p2p_op_list:
+            if not isinstance(op, P2POp):
+                raise TypeError("batch_isend_irecv expects P2POp objects")
+            fn = getattr(op.op, "__name__", "")
+            if fn not in ("isend", "irecv"):
+                raise ValueError("P2POp's op must be dist.isend or dist.irecv")
+            works.append(getattr(self, fn)(op.tensor, op.peer, op.group, op.tag))
+        return works
+
+    # -- collectives (exercises that allow them) -------------------------------
+    def _collective(self, op: str, tensor, async_op: bool, **extra):
+        ident = self._link.new_id()
+        self._link.send(dict({"t": "coll", "op": op, "id": ident, "async": bool(async_op)},
+                             **extra), [tensor] if tensor is not None else [])
+
+        def deliver(header, tensors):
+            if tensors and tensor is not None:
+                with torch.no_grad():
+                    tensor.copy_(tensors[0].reshape(tensor.shape))
+        work = Work(self._link, ident, deliver, op)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, group=None, async_op=False):
+        _check_tensor(tensor, "all_reduce")
+        name = op if isinstance(op, str) else str(getattr(op, "name", op)).lower()
+        if name not in ("sum", "product", "min", "max"):
+            raise ValueError(f"all_reduce: reduction {op!r} is not supported by gloo; use SUM "
+                             "and divide by the world size")
+        return self._collective("all_reduce", tensor, async_op, reduce=name)
+
+    def broadcast(self, tensor, src=0, group=None, async_op=False):
+        _check_tensor(tensor, "broadcast")
+        if not isinstance(src, int) or not 0 <= src < self._link.world_size:
+            raise ValueError(f"broadcast: src {src!r} is not a rank")
+        return self._collective("broadcast", tensor, async_op, src=src)
+
+    def barrier(self, group=None, async_op=False, device_ids=None):
+        return self._collective("barrier", None, async_op)
+
+
+class TorchView(types.ModuleType):
+    """``torch`` as graded code sees it: torch itself, except ``torch.distributed``."""
+
+    def __init__(self, dist_module: DistModule):
+        super().__init__("torch", torch.__doc__)
+        self.__dict__["distributed"] = dist_module
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def make_builtins(dist_module: DistModule) -> dict:
+    """Return builtins whose ``__import__`` gives graded code the grader's ``torch.distributed``."""
+    real_import = builtins.__import__
+    view = TorchView(dist_module)
+
+    def graded_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name == "torch":
+            return view
+        if level == 0 and name == "torch.distributed":
+            return dist_module if fromlist else view
+        if level == 0 and name.startswith("torch.distributed."):
+            raise ImportError(f"{name} is not available to graded code: use torch.distributed's "
+                              "public functions (import torch.distributed as dist).")
+        return real_import(name, globals, locals, fromlist, level)
+
+    table = dict(vars(builtins))
+    table["__import__"] = graded_import
+    return table
