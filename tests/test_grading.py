@@ -1,26 +1,29 @@
-"""The graded exercises: solutions score full marks, stubs score zero, planted bugs are caught.
+"""The grader: solutions score full marks, stubs zero, planted bugs fail the criterion they name,
+and no notebook can hang the grader, outlive it, or write its own score.
 
-Planted wrong solutions (tests/planted/) go straight through ``check`` (no
-notebook), and each must fail the criterion that names its mistake. The
-notebooks go through ``dpcourse grade`` once for solutions/, once for exercises/.
+Planted wrong solutions (tests/planted/*_bugs.py) go through the learner's ``check``;
+planted notebooks (tests/planted/notebooks.py) through ``dpcourse grade``.
 """
 
+import csv
 import json
+import os
 import pathlib
 import subprocess
 import sys
-import types
+import time
+import uuid
 
+import nbformat
 import psutil
 import pytest
 import torch
 
-from dpcourse.grading import CheckResult, CriterionResult, check
-from dpcourse.grading import make_exercises
-from dpcourse.grading.checks_pure import expected_buckets
-from dpcourse.grading.guards import static_references
-from dpcourse.grading.report import GRADE_FILE_ENV
-from planted import ddp_bugs, pure_bugs, ring_bugs
+from dpcourse.grading import CheckResult, CriterionResult, check, make_exercises
+from dpcourse.grading.checks import get_spec
+from dpcourse.grading.runner import run_check
+from dpcourse.grading.submission import extract, policy_findings
+from planted import ddp_bugs, notebooks, pure_bugs, ring_bugs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -29,130 +32,162 @@ def _failed(result: CheckResult) -> set:
     return set(result.failed())
 
 
-def load_solution(name: str) -> types.ModuleType:
-    """Execute a solution notebook's code cells (without its check calls) as a module."""
-    import nbformat
-
-    nb = nbformat.read(ROOT / "solutions" / name, as_version=4)
-    # Not importable, so its functions travel by value, as a notebook's do.
-    module = types.ModuleType(f"solution_{name[:2]}")
-    for cell in nb.cells:
-        if cell.cell_type == "code" and "check(" not in cell.source:
-            exec(compile(cell.source, name, "exec"), module.__dict__)
-    return module
+def _leftovers(marker: str) -> list:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("GRADER_TEST_MARKER") == marker:
+                found.append(p.cmdline())
+        except psutil.Error:
+            continue
+    return found
 
 
-# -- planted bugs, each caught by a named criterion ------------------------------------
+def _write(folder: pathlib.Path, name: str, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    folder.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, folder / name)
 
-def test_ring_with_wrong_chunk_index_fails_matches_all_reduce():
-    result = check("ring_all_reduce", ring_bugs.ring_all_reduce_wrong_chunk, world_sizes=(3,),
-                   quiet=True)
+
+def _grade(tmp_path, *args, timeout=900) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "report.json"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "dpcourse.cli", "grade", *map(str, args),
+                           "--json", str(out)], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not list(tmp.iterdir()), f"left in the temp dir: {list(tmp.iterdir())}"
+    return proc, json.loads(out.read_text())
+
+
+# -- planted bugs through the learner's check(), each caught by a named criterion -------------
+
+def _ring(fn, sizes=(2, 3)):
+    spec = get_spec("ring_all_reduce")
+    spec.world_sizes = sizes  # fewer ranks than the grader uses: enough to show each bug
+    cells, _ = extract([("<planted>", pathlib.Path(ring_bugs.__file__).read_text())])
+    return run_check(spec, cells, dict(spec.roles, main=fn.__name__), timeout=10)
+
+
+def test_ring_with_wrong_chunk_index_fails_matches_all_reduce_and_earns_nothing_else():
+    result = _ring(ring_bugs.ring_all_reduce_wrong_chunk)
     assert "matches_all_reduce" in _failed(result)
     assert "wrong chunks on rank" in result.criterion("matches_all_reduce").detail
-    # the structure is a correct ring: only the arithmetic of the indices is wrong
-    for name in ("uses_only_point_to_point", "ring_neighbours_only", "bandwidth_optimal",
-                 "no_deadlock", "no_delegation"):
-        assert result.criterion(name).passed, name
+    for name in ("in_place", "ring_neighbours_only", "bandwidth_optimal", "no_deadlock",
+                 "no_delegation"):  # no credit for structure around a wrong result
+        assert result.criterion(name).detail.startswith("not credited"), name
+    assert result.points == 0
 
 
-def test_ring_that_calls_all_reduce_fails_uses_only_point_to_point():
-    result = check("ring_all_reduce", ring_bugs.ring_all_reduce_delegating, world_sizes=(2,),
-                   quiet=True)
-    assert "uses_only_point_to_point" in _failed(result)
-    assert "all_reduce" in result.criterion("uses_only_point_to_point").detail
-    assert result.criterion("matches_all_reduce").passed  # right numbers, wrong mechanism
+def test_a_collective_does_not_exist_in_the_ring_exercise():
+    result = _ring(ring_bugs.ring_all_reduce_delegating, sizes=(2,))
+    detail = result.criterion("matches_all_reduce").detail
+    assert "torch.distributed.all_reduce is not available" in detail
+    assert "send, recv, isend, irecv" in detail
+    assert result.points == 0
 
 
-def test_ring_that_calls_the_reference_fails_no_delegation():
-    result = check("ring_all_reduce", ring_bugs.ring_all_reduce_calls_reference, world_sizes=(2,),
-                   quiet=True)
-    assert "no_delegation" in _failed(result)
+def test_calling_the_reference_fails_no_delegation_and_scores_zero():
+    result = _ring(ring_bugs.ring_all_reduce_calls_reference)
     assert "dpcourse.comm" in result.criterion("no_delegation").detail
+    assert result.points == 0
 
 
-def test_deadlocking_ring_fails_no_deadlock_in_bounded_time_and_leaves_no_process():
-    result = check("ring_all_reduce", ring_bugs.ring_all_reduce_deadlock, world_sizes=(2,),
-                   timeout=8, quiet=True)
+def test_deadlocking_ring_is_described_in_bounded_time_and_leaves_no_process():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    t0 = time.monotonic()
+    spec = get_spec("ring_all_reduce")
+    spec.world_sizes = (2,)
+    cells, _ = extract([("<planted>", pathlib.Path(ring_bugs.__file__).read_text())])
+    result = run_check(spec, cells, dict(spec.roles, main="ring_all_reduce_deadlock"), timeout=4)
     detail = result.criterion("no_deadlock").detail
-    assert "no_deadlock" in _failed(result)
-    assert "rank(s) 0, 1 were still waiting" in detail
-    assert "ring_bugs.py" in detail and "recv" in detail  # where each rank was stuck
-    assert result.seconds < 8 + 15
-    assert not psutil.Process().children(recursive=True)
+    assert "not finished after 4 s" in detail
+    assert "rank 0" in detail and "waiting in recv from rank 1" in detail
+    assert time.monotonic() - t0 < 4 + 60  # startup of two ranks on a loaded machine included
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
-def test_naive_ddp_without_divide_fails_grads_averaged():
-    result = check("naive_ddp", ddp_bugs.NaiveNoDivide, quiet=True)
-    assert "grads_averaged" in _failed(result)
-    assert "ratio 2" in result.criterion("grads_averaged").detail  # world size 2: twice the mean
-    assert result.criterion("initial_broadcast").passed
+def test_every_hidden_collective_is_absent_at_run_time(monkeypatch):
+    """Without the static scan, each way around the exercise still fails inside the rank."""
+    source = notebooks.RING_FORGERIES.replace(
+        '    rank, n = dist.get_rank(), dist.get_world_size()',
+        '        else:\n            tensor.fill_(float("nan"))  # an escape worked\n'
+        '    rank, n = dist.get_rank(), dist.get_world_size()')
+    source = source.replace('''        lambda: exec(open(importlib.import_module("dpcourse.comm.ring").__file__).read(), {}),
+''', "")  # running the reference's text is plain copying: only the scan refuses it
+    import dpcourse.grading.runner as runner
+
+    monkeypatch.setattr(runner, "policy_findings", lambda *a, **k: [])
+    spec = get_spec("ring_all_reduce")
+    spec.world_sizes = (2,)
+    result = run_check(spec, [("<cell 0>", "import sys\n" + source)], spec.roles, timeout=20)
+    detail = result.criterion("matches_all_reduce").detail
+    assert "nan" not in detail.lower(), detail  # no escape succeeded
+    assert "max |diff|" in detail  # dummy traffic does not make a sum
 
 
-def test_naive_ddp_without_broadcast_fails_initial_broadcast():
-    result = check("naive_ddp", ddp_bugs.NaiveNoBroadcast, quiet=True)
-    assert "initial_broadcast" in _failed(result)
-    assert "matches_torch_ddp" in _failed(result)
+def test_naive_ddp_planted_bugs(tmp_path):
+    no_divide = check("naive_ddp", ddp_bugs.NaiveNoDivide, quiet=True)
+    assert "grads_averaged" in _failed(no_divide)
+    assert "ratio 2" in no_divide.criterion("grads_averaged").detail  # the sum over 2 ranks
+    assert no_divide.criterion("initial_broadcast").passed
+    assert 0 < no_divide.points < 2
+    no_broadcast = check("naive_ddp", ddp_bugs.NaiveNoBroadcast, quiet=True)
+    assert {"initial_broadcast", "matches_torch_ddp"} <= _failed(no_broadcast)
+    wraps = check("naive_ddp", ddp_bugs.WrapsTorchDDP, quiet=True)
+    assert "DistributedDataParallel" in wraps.criterion("no_delegation").detail
+    assert wraps.points == 0
 
 
-def test_wrapping_torch_ddp_fails_no_delegation():
-    result = check("naive_ddp", ddp_bugs.WrapsTorchDDP, quiet=True)
-    assert "no_delegation" in _failed(result)
-    assert "DistributedDataParallel" in result.criterion("no_delegation").detail
-
-
-def test_forward_order_buckets_with_serialising_wait_are_caught():
-    result = check("overlapped_ddp", ddp_bugs.ForwardOrderSerialised, quiet=True)
-    assert {"buckets_in_reverse_order", "no_serialising_wait"} <= _failed(result)
-    assert result.criterion("matches_torch_ddp").passed  # numerically right, structurally wrong
-
-
-def test_all_reduce_inside_no_sync_fails_no_collective_inside_no_sync():
-    result = check("no_sync", ddp_bugs.NoSyncStillReduces, quiet=True)
-    assert "no_collective_inside_no_sync" in _failed(result)
-    assert "inside no_sync" in result.criterion("no_collective_inside_no_sync").detail
-
-
-def test_summed_micro_batch_losses_fail_grads_averaged_over_micro_batches():
-    solution = load_solution("07_no_sync.ipynb")
-    result = check("no_sync", solution.HookedDDP, train_step=ddp_bugs.accumulation_step_sum,
-                   quiet=True)
-    assert "grads_averaged_over_micro_batches" in _failed(result)
-    assert result.criterion("no_collective_inside_no_sync").passed
+def test_overlap_and_no_sync_planted_bugs():
+    serial = check("overlapped_ddp", ddp_bugs.ForwardOrderSerialised, quiet=True)
+    assert {"buckets_in_reverse_order", "no_serialising_wait"} <= _failed(serial)
+    assert serial.criterion("matches_torch_ddp").passed  # right numbers, wrong structure
+    reduces = check("no_sync", ddp_bugs.NoSyncStillReduces,
+                    train_step=ddp_bugs.accumulation_step_sum, quiet=True)
+    assert "no_collective_inside_no_sync" in _failed(reduces)
+    assert "inside no_sync" in reduces.criterion("no_collective_inside_no_sync").detail
+    assert "grads_averaged_over_micro_batches" in _failed(reduces)
 
 
 def test_pure_planted_bugs_fail_their_criteria():
-    assert "reverse_order" in _failed(check("assign_buckets", pure_bugs.assign_buckets_forward,
-                                            quiet=True))
-    assert _failed(check("assign_buckets", pure_bugs.assign_buckets_elements, quiet=True)) == {
-        "counts_bytes_not_elements"}
-    assert "latency_term" in _failed(check("ring_cost", pure_bugs.ring_time_no_latency,
-                                           quiet=True))
+    forward = check("assign_buckets", pure_bugs.assign_buckets_forward, quiet=True)
+    assert "reverse_order" in _failed(forward) and forward.points == 0
+    elements = check("assign_buckets", pure_bugs.assign_buckets_elements, quiet=True)
+    assert _failed(elements) == {"counts_bytes_not_elements"}
+    strict = check("assign_buckets", pure_bugs.assign_buckets_strict, quiet=True)
+    assert "compare with >=, not >" in strict.criterion("closes_at_cap").detail
+    no_latency = check("ring_cost", pure_bugs.ring_time_no_latency, quiet=True)
+    assert "latency_term" in _failed(no_latency)
 
 
-# -- notebooks through the autograder -------------------------------------------------
+# -- notebooks through dpcourse grade ---------------------------------------------------------
 
-def _grade(folder: str, tmp_path) -> dict:
-    out = tmp_path / f"{folder}.json"
-    proc = subprocess.run([sys.executable, "-m", "dpcourse.cli", "grade", str(ROOT / folder),
-                           "--json", str(out), "--timeout", "240"],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "total:" in proc.stdout
-    return json.loads(out.read_text())
-
-
-def test_every_solution_scores_full_marks(tmp_path):
-    report = _grade("solutions", tmp_path)
+def test_solutions_score_full_marks_with_every_output(tmp_path):
+    fb, csv_path, lms = tmp_path / "feedback", tmp_path / "grades.csv", tmp_path / "lms.csv"
+    proc, report = _grade(tmp_path, ROOT / "solutions", "--csv", csv_path, "--lms-csv", lms,
+                          "--feedback", fb)
     assert all(nb["status"] == "ok" for nb in report["notebooks"]), report["notebooks"]
-    assert len(report["results"]) >= 7
+    assert len(report["results"]) == 7
     for row in report["results"]:
         assert row["passed"] == row["total"] > 0, (row["check"], [
             (c["name"], c["detail"]) for c in row["criteria"] if not c["passed"]])
-    assert report["points"] == report["max_points"]
+    assert report["points"] == report["max_points"] == 70
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == sum(r["total"] for r in report["results"])
+    assert abs(sum(float(r["points"]) for r in rows) - 70) < 0.1
+    lms_rows = list(csv.reader(lms.open()))
+    assert lms_rows[0][:2] == ["Student", "ID"] and lms_rows[1][-1] == "70.0"
+    feedback = nbformat.read(fb / "solutions" / "04_ring_all_reduce.feedback.ipynb", as_version=4)
+    assert "Grading report" in feedback.cells[0].source
+    assert (fb / "solutions" / "04_ring_all_reduce.feedback.html").stat().st_size > 1000
 
 
-def test_every_exercise_runs_through_and_scores_zero(tmp_path):
-    report = _grade("exercises", tmp_path)
+def test_exercises_run_through_and_score_zero(tmp_path):
+    _, report = _grade(tmp_path, ROOT / "exercises")
     assert all(nb["status"] == "ok" for nb in report["notebooks"]), report["notebooks"]
     assert {r["check"] for r in report["results"]} == {
         "mean_gradient", "collective_semantics", "ring_all_reduce", "halving_doubling",
@@ -160,32 +195,131 @@ def test_every_exercise_runs_through_and_scores_zero(tmp_path):
         "assign_buckets", "first_bucket", "overlapped_ddp", "arrival_order", "no_sync",
         "token_weighted", "checkpoint_resume", "ring_cost", "sharded_step"}
     for row in report["results"]:
-        assert row["status"] == "graded" and row["total"] > 0 and row["points"] == 0, row
-    assert any("not implemented yet" in n for r in report["results"] for n in r["notes"])
+        assert row["points"] == 0 and row["total"] > 0, row
+    assert all(any("not implemented yet" in n for n in r["notes"]) for r in report["results"])
 
 
-def test_grader_scores_a_failing_notebook_zero_and_continues(tmp_path):
-    import nbformat
+def test_hanging_and_dying_notebooks_are_stopped_and_the_next_is_graded(tmp_path):
+    marker = uuid.uuid4().hex
+    folder = tmp_path / "nbs"
+    for name, cells in (("09_a_sleeps.ipynb", notebooks.sleeps(marker)),
+                        ("09_b_busy.ipynb", notebooks.busy_loop(marker)),
+                        ("09_c_killed.ipynb", notebooks.kills_its_kernel(marker)),
+                        ("09_d_ranks.ipynb", notebooks.launches_ranks_and_hangs(marker)),
+                        ("09_e_honest.ipynb", notebooks.honest(self_check=False))):
+        _write(folder, name, cells)
+    proc, report = _grade(tmp_path, folder, "--timeout", "8")
+    status = {nb["notebook"][:4]: nb for nb in report["notebooks"]}
+    points = {r["notebook"][:4]: r["points"] for r in report["results"]}
+    for key in ("09_a", "09_b", "09_d"):
+        assert status[key]["status"] == "timeout", status[key]
+        assert status[key]["cell_seconds"] <= 8 + 10, status[key]
+    assert status["09_c"]["status"] in ("died", "timeout"), status["09_c"]
+    assert points == {"09_a": 0, "09_b": 10, "09_c": 0, "09_d": 0, "09_e": 10}
+    assert status["09_e"]["status"] == "ok"
+    assert "cell 2 was still running" in status["09_b"]["message"]
+    assert not _leftovers(marker)
 
-    bad = nbformat.read(ROOT / "exercises" / "09_cost_model.ipynb", as_version=4)
-    bad.cells.insert(1, nbformat.v4.new_code_cell("raise RuntimeError('broken cell')"))
-    (tmp_path / "nbs").mkdir()
-    nbformat.write(bad, tmp_path / "nbs" / "01_broken.ipynb")
-    good = nbformat.read(ROOT / "solutions" / "05_bucketing.ipynb", as_version=4)
-    nbformat.write(good, tmp_path / "nbs" / "02_fine.ipynb")
-    from dpcourse.grading.autograde import grade, score_table
 
-    report = grade([str(tmp_path / "nbs")], timeout=120)
-    rows = {r["check"]: r for r in report["results"]}
-    assert report["notebooks"][0]["status"] == "error"
-    assert "broken cell" in report["notebooks"][0]["message"]
-    assert rows["ring_cost"]["points"] == 0 and rows["ring_cost"]["total"] == 6
-    assert rows["ring_cost"]["status"].startswith("not graded")
-    assert rows["assign_buckets"]["points"] == rows["assign_buckets"]["max_points"]
-    assert "01_broken.ipynb: error" in score_table(report)
+def test_forged_scores_earn_nothing_and_change_nothing(tmp_path):
+    folder = tmp_path / "nbs"
+    _write(folder, "03_takeover.ipynb", notebooks.ddp_takeovers())
+    _write(folder, "04_forge.ipynb", notebooks.kernel_forgeries())
+    _write(folder, "05_disk.ipynb", notebooks.edits_the_grader())
+    (folder / "06_malformed.ipynb").write_text("{ this is not a notebook")
+    _write(folder, "09_after.ipynb", notebooks.honest())
+    report_py = ROOT / "dpcourse" / "grading" / "report.py"
+    before = report_py.read_bytes()
+    proc, report = _grade(tmp_path, folder, "--timeout", "60")
+    rows = {r["notebook"]: r for r in report["results"]}
+    status = {nb["notebook"]: nb for nb in report["notebooks"]}
+    assert rows["03_takeover.ipynb"]["points"] == 0
+    takeover = {c["name"]: c for c in rows["03_takeover.ipynb"]["criteria"]}
+    assert "calls exec()" in takeover["no_delegation"]["detail"]
+    assert "imports gc" in takeover["no_delegation"]["detail"]
+    assert rows["04_forge.ipynb"]["points"] == 0
+    forge = {c["name"]: c for c in rows["04_forge.ipynb"]["criteria"]}["no_delegation"]["detail"]
+    for what in ("__wrapped__", "_get_default_group", "calls exec()", "imports importlib",
+                 "f_locals", "imports gc"):
+        assert what in forge, what
+    assert status["05_disk.ipynb"]["status"] == "tampered"
+    assert rows["05_disk.ipynb"]["points"] == 0
+    assert report_py.read_bytes() == before  # put back
+    assert status["06_malformed.ipynb"]["status"] == "unreadable"
+    assert rows["06_malformed.ipynb"]["points"] == 0
+    assert rows["09_after.ipynb"]["points"] == 10  # deleted from disk by 04, graded anyway
+    assert report["points"] == 10 and report["max_points"] == 50
+    json_path = tmp_path / "report.json"
+    first = json_path.read_text()
+    time.sleep(8)  # the detached rewriter would have fired by now
+    assert json_path.read_text() == first
 
 
-# -- framework pieces ---------------------------------------------------------------
+def test_user_errors_exit_2_in_one_line(tmp_path):
+    for args in (["grade", "nonexistent.ipynb"], ["grade", "/etc/passwd"],
+                 ["grade", str(ROOT / "solutions"), "--timeout", "-1"],
+                 ["grade", str(ROOT / "solutions"), "--timeout", "inf"]):
+        proc = subprocess.run([sys.executable, "-m", "dpcourse.cli", *args], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("dpcourse grade: error:")
+
+
+# -- framework pieces ---------------------------------------------------------------------------
+
+def test_scan_refuses_escape_hatches_and_accepts_the_solutions():
+    cells, _ = extract([("<cell 1>", notebooks.RING_FORGERIES)])
+    found = " ".join(policy_findings(cells, ["ring_all_reduce"]))
+    for what in ("__wrapped__", "_get_default_group", "calls exec()", "imports importlib",
+                 "imports gc", "calls open()"):
+        assert what in found, what
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        spec = [s for s in map(get_spec, ("collective_semantics", "naive_ddp", "ring_all_reduce",
+                                          "assign_buckets", "overlapped_ddp", "no_sync",
+                                          "ring_cost")) if s.exercise == path.name[:2]][0]
+        from dpcourse.grading.submission import from_notebook
+
+        cells, problems = extract(from_notebook(nbformat.read(path, as_version=4)))
+        assert not problems
+        assert policy_findings(cells, list(spec.roles.values()), spec.allowed_imports) == [], path
+
+
+def test_extract_keeps_definitions_at_their_lines_and_drops_calls():
+    source = ("import torch\nfrom dpcourse.grading import check\nx = torch.zeros(3)\nN = 4\n\n"
+              "def f(t):\n    return t * N\n\ncheck('ring_cost', f)\n%time f(1)\n")
+    (label, kept), = extract([("<cell 5>", source)])[0]
+    lines = kept.splitlines()
+    assert lines[0] == "import torch" and lines[3] == "N = 4" and lines[5] == "def f(t):"
+    assert "check" not in kept and "zeros" not in kept and "time" not in kept
+
+
+def test_points_are_weighted_capped_and_gated():
+    crit = [CriterionResult("a", "", True, weight=3), CriterionResult("b", "", False, weight=1)]
+    assert CheckResult("x", "01", "X", crit).points == 7.5
+    gated = crit + [CriterionResult("no_delegation", "", False, gate=True)]
+    assert CheckResult("x", "01", "X", gated).points == 0
+    assert CheckResult("x", "01", "X", [CriterionResult("a", "", True, weight=1e9)]).points == 10
+
+
+def test_report_renders_text_html_and_json_without_ansi():
+    result = CheckResult("demo", "04", "Demo", [
+        CriterionResult("ok_one", "holds", True),
+        CriterionResult("bad_one", "does not hold", False, "\x1b[31mgot 2\x1b[0m", "divide <by> N")])
+    text, html = str(result), result._repr_html_()
+    assert "1/2 criteria" in text and "FAIL  bad_one" in text and "hint: divide <by> N" in text
+    assert "bad_one" in html and "divide &lt;by&gt; N" in html
+    assert "\x1b" not in json.dumps(result.to_dict()) and result.to_dict()["points"] == 5.0
+
+
+def test_check_rejects_unknown_names_keywords_and_lambdas():
+    with pytest.raises(ValueError, match="unknown check"):
+        check("ring_allreduce", lambda t: None)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        check("ring_all_reduce", ring_bugs.ring_all_reduce_wrong_chunk, world_sizes=(1,))
+    with pytest.raises(ValueError, match="defined with"):
+        check("ring_cost", lambda *a: 0)
+
 
 def test_stub_keeps_signature_and_docstring_and_numbers_regions():
     source = ('def f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    return x\n'
@@ -197,58 +331,67 @@ def test_stub_keeps_signature_and_docstring_and_numbers_regions():
     assert out.splitlines()[:3] == ['def f(x):', '    """Doc."""',
                                     '    raise NotImplementedError("Exercise 04.3: write f")']
     assert '        raise NotImplementedError("Exercise 04.4: write g")' in out
-    assert "return x" not in out and "pass" not in out
     for broken in ("    ### BEGIN SOLUTION\n", "### BEGIN SOLUTION\nx\n### END SOLUTION\n",
                    "    ### END SOLUTION\n"):
         with pytest.raises(ValueError):
             make_exercises.stub_source(broken, "01", 1)
 
 
-def test_report_renders_text_html_and_json():
-    result = CheckResult("demo", "04", "Demo", [
-        CriterionResult("ok_one", "holds", True),
-        CriterionResult("bad_one", "does not hold", False, "got 2, expected 1", "divide <by> N")])
-    text, html = str(result), result._repr_html_()
-    assert "1/2 criteria" in text and "FAIL  bad_one" in text and "hint: divide <by> N" in text
-    assert "bad_one" in html and "divide &lt;by&gt; N" in html
-    assert json.loads(json.dumps(result.to_dict()))["points"] == 5.0
-    assert result.score == 0.5 and result.failed() == ["bad_one"]
-
-
-def test_check_appends_to_the_grade_file(tmp_path, monkeypatch):
-    path = tmp_path / "grades.jsonl"
-    monkeypatch.setenv(GRADE_FILE_ENV, str(path))
-    solution = load_solution("09_cost_model.ipynb")
-    result = check("ring_cost", solution.ring_all_reduce_time,
-                   bytes_per_rank=solution.ring_bytes_per_rank, quiet=True)
-    assert result.all_passed
-    line = json.loads(path.read_text().splitlines()[-1])
-    assert line["check"] == "ring_cost" and line["passed"] == line["total"] == 6
-
-
-def test_check_rejects_unknown_names_and_keywords():
-    with pytest.raises(ValueError, match="unknown check"):
-        check("ring_allreduce", lambda t: None)
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        check("ring_cost", lambda *a: 0, bytes_sent=lambda *a: 0)
-
-
-def test_static_scan_finds_a_captured_reference():
-    from dpcourse.comm import ring_all_reduce as reference
-
-    def mine(t, group=None):
-        reference(t)
-
-    assert static_references(mine, ("dpcourse.comm.ring.ring_all_reduce",)) == [
-        "mine refers to dpcourse.comm.ring.ring_all_reduce"]
-
-
-def test_bucket_rule_of_the_check_is_the_reference_rule():
+def test_oracles_agree_with_torch_collectives_ddp_and_the_reference_bucket_rule():
+    """The grader's independent answers are what torch and the course's reference compute."""
+    import dpcourse
     from dpcourse.ddp import assign_buckets
+    from dpcourse.grading import oracles
 
     for sizes, dtype, cap in [([100, 200, 300, 400, 500], torch.float32, 4000 / 2**20),
                               ([3, 1, 4, 1, 5], torch.float32, 0.0),
                               ([64] * 5, torch.float16, 200 / 2**20),
                               ([2**18, 7, 2**17, 2**17, 10], torch.float32, 1.0)]:
         params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
-        assert expected_buckets(params, cap) == assign_buckets(params, cap)
+        nbytes = [p.numel() * p.element_size() for p in params]
+        assert oracles.buckets(nbytes, cap) == assign_buckets(params, cap)
+    got = dpcourse.run(_torch_truth, world_size=3, timeout=120)
+    inputs = [torch.arange(6.0) + 10 * r for r in range(3)]
+    for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        want = oracles.collective(op, inputs)
+        for r in range(3):
+            assert torch.equal(got[r][op], want[r]), (op, r)
+    from dpcourse.grading.checks import ddp_common as d
+
+    batches = [[[(x, y)] for x, y in step] for step in got[0]["batches"]]
+    ref = oracles.train_reference(d.make_model, 7, batches, d.LR)
+    for r in range(3):
+        for a, b in zip(got[r]["ddp_params"], ref["ddp"]["params"][-1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _torch_truth():
+    import torch.distributed as dist
+    from torch import nn
+
+    from dpcourse.grading.checks import ddp_common as d
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.arange(6.0) + 10 * rank
+    out = {"all_reduce": x.clone()}
+    dist.all_reduce(out["all_reduce"])
+    out["reduce_scatter"] = torch.empty(2)
+    dist.reduce_scatter_tensor(out["reduce_scatter"], x.clone())
+    out["all_gather"] = torch.empty(18)
+    dist.all_gather_into_tensor(out["all_gather"], x.clone())
+    out["broadcast"] = x.clone()
+    dist.broadcast(out["broadcast"], 0)
+    gen = torch.Generator().manual_seed(3)
+    batches = [[(torch.randn(d.BATCH, d.IN, generator=gen), torch.randn(d.BATCH, d.OUT,
+                                                                       generator=gen))
+                for _ in range(n)] for _ in range(d.STEPS)]
+    model = d.make_model(7 + rank)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=d.LR)
+    for step in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(step[rank][0]), step[rank][1]).backward()
+        opt.step()
+    out["ddp_params"] = [p.detach().clone() for p in model.parameters()]
+    out["batches"] = batches
+    return out

@@ -49,6 +49,7 @@ class Execution:
     stop: int | None     # index of the cell that failed or was running, if any
     message: str
     executed: object = None  # the executed notebook (nbformat), if any
+    cell_seconds: float = 0.0  # from the kernel being ready to the end of the run
 
 
 def collect(paths: list[str]) -> list[tuple[str, str]]:
@@ -124,22 +125,24 @@ def execute(nb, timeout: float) -> Execution:
                 running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
                 cell = running[-1] if running else None
                 procs.kill_tree([proc.pid])
+                procs.kill_new_children(before)
                 return Execution("timeout", cell, f"cell {cell} was still running at the time "
                                  f"limit ({timeout:g} s); it and everything it started were "
-                                 "stopped", _read(dst))
+                                 "stopped", _read(dst), time.monotonic() - deadline + timeout)
             time.sleep(0.1)
+        spent = time.monotonic() - deadline + timeout if deadline is not None else 0.0
         lines = _progress(progress)
         end = [ln for ln in lines if ln.startswith("end ")]
         running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
         if not end:
             cell = running[-1] if running else None
             return Execution("died", cell, f"the notebook's process ended during cell {cell} "
-                             "(killed?)", _read(dst))
+                             "(killed?)", _read(dst), spent)
         _, status, index, *message = end[-1].split(" ", 3)
         message = strip_ansi(message[0] if message else "")
         if status == "ok":
-            return Execution("ok", None, "", _read(dst))
-        return Execution(status, int(index), f"cell {index}: {message}", _read(dst))
+            return Execution("ok", None, "", _read(dst), spent)
+        return Execution(status, int(index), f"cell {index}: {message}", _read(dst), spent)
     finally:
         if proc is not None:
             procs.kill_tree([proc.pid])
@@ -178,7 +181,8 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict
         return info, [_zero(s, why) for s in specs], None
     run = execute(nb, timeout) if specs else Execution("ok", None, "no exercise check for it")
     changed = snapshot.restore() if snapshot is not None else []
-    info = {"status": run.status, "message": run.message, "changed_files": changed}
+    info = {"status": run.status, "message": run.message, "changed_files": changed,
+            "cell_seconds": round(run.cell_seconds, 1)}
     if changed:
         why = (f"the notebook changed the course package on disk ({', '.join(changed[:3])}); "
                "the files were put back and this notebook scores zero")

@@ -28,3 +28,15 @@ def assign_buckets_elements(params, bucket_cap_mb=25.0):
 def ring_time_no_latency(nbytes, world_size, alpha, beta):
     """Forgets that each of the 2 (N - 1) steps pays alpha."""
     return 2 * (world_size - 1) / world_size * nbytes * beta  # BUG: no alpha term
+
+
+def assign_buckets_strict(params, bucket_cap_mb=25.0):
+    """Closes a bucket only once it holds more than the cap."""
+    cap, buckets, current, size = bucket_cap_mb * 2**20, [], [], 0
+    for i in reversed(range(len(params))):
+        current.append(i)
+        size += params[i].numel() * params[i].element_size()
+        if size > cap:  # BUG: a bucket that reaches exactly the cap must close
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
