@@ -18,6 +18,7 @@ as a result.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -150,6 +151,23 @@ def execute(nb, timeout: float) -> Execution:
         shutil.rmtree(work, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _private_tempdir():
+    """Send every temp file of this run (ours, torch's caches) to one folder, removed at the end."""
+    run_tmp = tempfile.mkdtemp(prefix="dpcourse-grade-run-")
+    old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = run_tmp, run_tmp
+    try:
+        yield run_tmp
+    finally:
+        tempfile.tempdir = old_dir
+        if old_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old_env
+        shutil.rmtree(run_tmp, ignore_errors=True)
+
+
 def _read(path: str):
     import nbformat
 
@@ -229,7 +247,7 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None)
             texts[path] = f"<unreadable: {exc}>"
     snapshot = PackageSnapshot()
     notebooks, rows = [], []
-    with procs.subreaper():
+    with procs.subreaper(), _private_tempdir():
         for path, submission in files:
             info, results, executed = grade_notebook(path, texts[path], timeout, snapshot)
             name = os.path.basename(path)
