@@ -32,7 +32,8 @@ import psutil
 from dpcourse.grading import procs
 from dpcourse.grading.checks import for_notebook
 from dpcourse.grading.report import CheckResult, CriterionResult, strip_ansi
-from dpcourse.grading.runner import SKIP_ENV, run_check
+from dpcourse.grading.checks import Exercise
+from dpcourse.grading.runner import SKIP_ENV, grade_in_process, run_check
 from dpcourse.grading.submission import extract
 
 KERNEL_START = 60.0  # seconds for the kernel to come up, on top of the notebook's time limit
@@ -179,7 +180,8 @@ def _read(path: str):
 
 def _zero(spec, why: str) -> CheckResult:
     return CheckResult(spec.name, spec.exercise, spec.title, [
-        CriterionResult(c.name, c.description, False, f"not graded: {why}", "", c.weight, c.gate)
+        CriterionResult(c.name, c.description, False, f"not graded: {why}", "",
+                        getattr(c, "weight", 1.0), getattr(c, "gate", False))
         for c in spec.criteria], spec.points, 0.0, [why])
 
 
@@ -212,7 +214,10 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict
     cells, problems = extract(sources)
     results = []
     for spec in specs:
-        result = run_check(spec, cells, spec.roles, problems=problems)
+        if isinstance(spec, Exercise):
+            result = run_check(spec, cells, spec.roles, problems=problems)
+        else:
+            result = grade_in_process(spec, cells, sources, problems)
         if run.status != "ok":
             result.notes.insert(0, f"the notebook stopped early ({run.status}: {run.message}); "
                                 "only definitions from the cells before that were graded")

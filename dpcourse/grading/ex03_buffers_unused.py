@@ -23,7 +23,7 @@ from torch import nn
 
 from dpcourse.grading import ddp_harness as h
 from dpcourse.grading.criteria import Criterion, mismatch, tolerance
-from dpcourse.grading.runner import CheckSpec
+from dpcourse.grading.inprocess import CheckSpec
 
 REFERENCE = tuple(f"dpcourse.ddp.{p}" for p in (
     "naive.DataParallelNaive", "bucketed.DataParallelBucketed", "overlapped.DataParallelOverlapped",

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dpcourse.comm.trace import POINT_TO_POINT, CommTrace
 from dpcourse.grading.criteria import Criterion, mismatch, tolerance
-from dpcourse.grading.runner import CheckSpec
+from dpcourse.grading.inprocess import CheckSpec
 
 
 def _rank_input(case: int, rank: int, numel: int, dtype) -> torch.Tensor:

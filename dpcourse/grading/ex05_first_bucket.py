@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dpcourse.grading.criteria import Criterion
-from dpcourse.grading.runner import CheckSpec
+from dpcourse.grading.inprocess import CheckSpec
 
 MIB = 2**20
 

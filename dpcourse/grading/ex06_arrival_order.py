@@ -20,7 +20,7 @@ from torch import nn
 from dpcourse.comm.trace import CommTrace
 from dpcourse.grading import ddp_harness as h
 from dpcourse.grading.criteria import Criterion, mismatch, tolerance
-from dpcourse.grading.runner import CheckSpec
+from dpcourse.grading.inprocess import CheckSpec
 
 MIB = 2**20
 REFERENCE = tuple(f"dpcourse.ddp.{p}" for p in (

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dpcourse.grading import ddp_harness as h
 from dpcourse.grading.criteria import Criterion, mismatch, tolerance
-from dpcourse.grading.runner import CheckSpec
+from dpcourse.grading.inprocess import CheckSpec
 
 CASES = ("equal micro-batches", "uneven micro-batches", "uneven ranks")
 

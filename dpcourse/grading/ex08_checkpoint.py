@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcourse.grading.criteria import Criterion
-from dpcourse.grading.runner import CheckSpec
+from dpcourse.grading.inprocess import CheckSpec
 
 IN, HIDDEN, OUT = 6, 16, 2
 N, BATCH, EPOCHS = 40, 4, 3       # 40 examples, 4 per rank and step: 5 steps per epoch on 2 ranks

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from dpcourse.grading.criteria import Criterion as GradingCriterion
-from dpcourse.grading.runner import CheckSpec
+from dpcourse.grading.inprocess import CheckSpec
 
 
 class Criterion(NamedTuple):

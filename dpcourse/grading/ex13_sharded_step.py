@@ -24,7 +24,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dpcourse.grading.criteria import Criterion, mismatch
-from dpcourse.grading.runner import CheckSpec
+from dpcourse.grading.inprocess import CheckSpec
 
 STEPS, BATCH = 2, 12
 TOL = (1e-4, 3e-5)  # fp32 AdamW over 2 steps: a rounding difference in a tiny gradient moves a

@@ -87,7 +87,7 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[Record],
 
 def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
               timeout: float | None = None, seed: int | None = None,
-              problems: list[str] | None = None) -> CheckResult:
+              problems: list[str] | None = None, pickled: str | None = None) -> CheckResult:
     """Run ``spec`` on the learner's kept ``cells`` and return the judged result.
 
     Args:
@@ -97,19 +97,24 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
         timeout: seconds per round before the ranks count as hung (default: the check's).
         seed: seed of the random cases (default: a fresh secret one).
         problems: notes about cells that could not be read.
+        pickled: the learner's objects by value (base64 cloudpickle) instead of ``cells``:
+            the learner's own ``check()`` on objects whose source cannot be found.
 
     Returns:
         The :class:`CheckResult`.
     """
     t0 = time.perf_counter()
     notes = list(problems or []) + list(spec.notes)
-    defined = defined_names(cells)
-    findings = policy_findings(cells, list(names.values()), spec.allowed_imports,
-                               spec.forbid_torch_ddp)
+    if pickled:
+        defined, findings, stub = set(names.values()), [], None
+    else:
+        defined = defined_names(cells)
+        findings = policy_findings(cells, list(names.values()), spec.allowed_imports,
+                                   spec.forbid_torch_ddp)
+        stub = stub_message(cells, names["main"])
     present = {role: name for role, name in names.items() if name in defined}
     records: list[Record] = []
     failure = None
-    stub = stub_message(cells, names["main"])
     if "main" not in present:
         failure = (None, Failure("error", f"your notebook defines no `{names['main']}` (a def or "
                                  "class at the top level of a cell)."))
@@ -122,7 +127,7 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
     else:
         rng = random.Random(seed if seed is not None else secrets.randbits(64))
         sizes = spec.world_sizes or (1,)
-        setup = {"check": spec.name, "cells": cells, "names": present}
+        setup = {"check": spec.name, "cells": cells, "names": present, "pickled": pickled}
         with World(max(sizes), setup, label=spec.name) as world:
             why = world.wait_ready(STARTUP_TIMEOUT)
             if why is not None:
@@ -164,7 +169,7 @@ def _sources_of(obj) -> list[tuple[str, str]]:
 
 
 def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
-          **extras) -> CheckResult:
+          world_sizes=None, backend: str = "auto", **extras) -> CheckResult:
     """Check the learner's ``obj`` on the grader's cases; show and return the report.
 
     The learner's quick self-check: the same cases, processes and verdicts as
@@ -177,6 +182,8 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         obj: the learner's function or class (defined with ``def``/``class``).
         timeout: seconds per round before the ranks count as hung (default: the check's).
         quiet: don't display the report (it is still returned).
+        world_sizes, backend: only for the checks that still run in-process (see
+            :mod:`dpcourse.grading.inprocess`); the others pick their own.
         **extras: the check's further definitions under other names, e.g.
             ``chunk_bounds=my_bounds``; by default the notebook's standard names are used.
 
@@ -185,7 +192,7 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         ``.points``); in Jupyter it renders as a table.
     """
     spec = get_spec(name)
-    roles = spec.roles
+    roles = getattr(spec, "roles", {})
     if os.environ.get(SKIP_ENV) == "1":
         # Inside `dpcourse grade`'s kernel: the grader runs this check itself, afterwards.
         result = CheckResult(spec.name, spec.exercise, spec.title, [], spec.points, 0.0,
@@ -193,6 +200,20 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         if not quiet:
             show(result)
         return result
+    if not isinstance(spec, Exercise):
+        from dpcourse.grading import inprocess
+
+        allowed = {c.requires for c in spec.criteria if c.requires}
+        if set(extras) - allowed:
+            raise TypeError(f"check({name!r}) got unexpected keyword(s) "
+                            f"{sorted(set(extras) - allowed)}; it accepts {sorted(allowed) or 'none'}.")
+        result = inprocess.run_check(spec, obj, extras, world_sizes=world_sizes, timeout=timeout,
+                                     backend=backend)
+        if not quiet:
+            show(result)
+        return result
+    if world_sizes is not None:
+        extras["world_sizes"] = world_sizes  # refused below: the grader picks them
     unknown = set(extras) - (set(roles) - {"main"})
     if unknown:
         raise TypeError(f"check({name!r}) got unexpected keyword(s) {sorted(unknown)}; it accepts "
@@ -204,8 +225,114 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
             raise ValueError(f"check({name!r}): {role} must be a function or class defined with "
                              f"def/class (got {value!r}).")
         names[role] = label
-    cells, problems = extract(_sources_of(obj))
-    result = run_check(spec, cells, names, timeout=timeout, problems=problems)
+    try:
+        cells, problems = extract(_sources_of(obj))
+        pickled = None
+    except (OSError, TypeError, ValueError):  # built by exec, say: send the objects by value
+        import base64
+
+        import cloudpickle
+
+        objs = {"main": obj, **extras}
+        cells, problems = [], []
+        pickled = base64.b64encode(cloudpickle.dumps(objs)).decode()
+        names = {role: role for role in objs}
+    result = run_check(spec, cells, names, timeout=timeout, problems=problems, pickled=pickled)
     if not quiet:
         show(result)
     return result
+
+
+def _check_call_names(cells: list[tuple[str, str]], sources: list[tuple[str, str]],
+                      name: str) -> dict | None:
+    """``{role: notebook name}`` from the notebook's own ``check(name, f, key=g)`` call."""
+    import ast
+
+    found = None
+    for _, source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "check" and len(node.args) >= 2
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == name
+                    and isinstance(node.args[1], ast.Name)):
+                found = {"main": node.args[1].id}
+                found.update({k.arg: k.value.id for k in node.keywords
+                              if k.arg and isinstance(k.value, ast.Name)})
+    return found
+
+
+def grade_in_process(spec, cells: list[tuple[str, str]], sources: list[tuple[str, str]],
+                     problems: list[str] | None = None, timeout: float = 900.0) -> CheckResult:
+    """Grade a check that still runs beside the learner's code, in a process of the grader's.
+
+    The definitions come from the notebook's cells (after the static scan); the
+    check picks its own world sizes; the result comes back through a pipe only
+    this process reads and is rebuilt here from the check's own criteria.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from dpcourse.grading import procs
+    from dpcourse.grading.criteria import NO_DEADLOCK as DEAD, NO_DELEGATION as DELEG
+
+    t0 = time.perf_counter()
+    allowed = [c for c in spec.criteria] + [DELEG] + ([DEAD] if spec.in_rank else [])
+    notes = list(problems or []) + list(spec.notes) + [
+        "in-process check: it runs beside your code; the grader runs it in a process of its "
+        "own on the definitions from your notebook"]
+
+    def zero(why: str) -> CheckResult:
+        return CheckResult(spec.name, spec.exercise, spec.title, [
+            CriterionResult(c.name, c.description, False, why, "") for c in allowed],
+            spec.points, time.perf_counter() - t0, notes)
+
+    names = _check_call_names(cells, sources, spec.name)
+    if names is None:
+        return zero(f"the notebook never calls check({spec.name!r}, ...) on a definition")
+    findings = policy_findings(cells, list(names.values()), getattr(spec, "allowed_imports", {}),
+                               spec.forbid_torch_ddp)
+    if findings:
+        result = zero("not run: your code uses what graded code may not use (see no_delegation)")
+        result.criterion(DELEG.name).detail = "your code " + "; ".join(findings)
+        return result
+    from dpcourse.grading.inprocess import spec_path
+
+    read, write = os.pipe()
+    before = {p.pid for p in procs.psutil.Process().children()}
+    proc = subprocess.Popen([sys.executable, "-m", "dpcourse.grading.inprocess", str(write)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, pass_fds=(write,), start_new_session=True)
+    os.close(write)
+    try:
+        proc.stdin.write(json.dumps({"spec": spec_path(spec), "cells": cells,
+                                     "names": names}).encode())
+        proc.stdin.close()
+        proc.wait(timeout=timeout)
+        with os.fdopen(read, "rb") as f:
+            raw = f.read(1 << 22)
+        got = json.loads(raw or b"{}")
+    except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
+        got = {"error": f"the check did not finish ({type(exc).__name__})"}
+    finally:
+        procs.kill_tree([proc.pid])
+        procs.kill_new_children(before)
+    if "criteria" not in got:
+        return zero(strip_ansi(str(got.get("error", "the check returned nothing"))))
+    by_name = {c.get("name"): c for c in got["criteria"] if isinstance(c, dict)}
+    criteria = []
+    for c in allowed:
+        r = by_name.get(c.name)
+        if r is None:
+            criteria.append(CriterionResult(c.name, c.description, False, "not checked", ""))
+        else:
+            criteria.append(CriterionResult(c.name, c.description, r.get("passed") is True,
+                                            str(r.get("detail", ""))[:2000],
+                                            "" if r.get("passed") is True else c.hint))
+    notes += [strip_ansi(str(n))[:500] for n in got.get("notes", [])[:5]]
+    return CheckResult(spec.name, spec.exercise, spec.title, criteria, spec.points,
+                       time.perf_counter() - t0, notes)

@@ -1,4 +1,9 @@
-"""Exercise 07: gradient accumulation with ``no_sync()`` and one sync per optimizer step."""
+"""Exercise 07: gradient accumulation with ``no_sync()`` and one sync per optimizer step.
+
+The grader's own accumulation loop runs the learner's wrapper (every micro-batch
+but the last inside ``no_sync()``); the learner's loop is exercise 07's second
+check (``token_weighted``).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ class NoSync(Exercise):
     """Gradient accumulation: ``no_sync()`` on the learner's wrapper, and the accumulation loop."""
 
     name, exercise, title = "no_sync", "07", "Gradient accumulation with no_sync"
-    defines = (("main", "HookedDDP"), ("train_step", "accumulation_step"))
+    defines = (("main", "HookedDDP"),)
     world_sizes = (2,)
     dist_api = P2P + COLLECTIVES
     timeout = 45.0
@@ -28,11 +33,6 @@ class NoSync(Exercise):
                   "optimizer step (on the last micro-batch)", "Run every micro-batch but the "
                   "last inside model.no_sync(); the last backward syncs the accumulated sum.",
                   weight=2),
-        Criterion("grads_averaged_over_micro_batches", "the accumulated gradient equals DDP's "
-                  "(mean over ranks and micro-batches)", "Divide each micro-batch's loss by "
-                  "the number of micro-batches, so the accumulated sum is a mean; and call "
-                  "model.finish_gradient_synchronization() before optimizer.step().",
-                  requires="train_step", weight=2),
         no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name),
     )
     notes = (d.tolerance_note(),)
@@ -45,9 +45,8 @@ class NoSync(Exercise):
         return d.rank_train(link, learner, inputs)
 
     def judge(self, ws, inputs, outputs, events):
-        recs = [r for r in d.judge_training(ws, inputs, outputs, events,
-                                            grads_crit="grads_averaged_over_micro_batches")
-                if r.criterion != d.C_BROADCAST.name]
+        recs = [r for r in d.judge_training(ws, inputs, outputs, events)
+                if r.criterion not in (d.C_BROADCAST.name, d.C_AVERAGED.name)]
         total = sum(d.param_bytes())
         for r in range(ws):
             for step in range(d.STEPS):
