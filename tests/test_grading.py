@@ -166,6 +166,7 @@ def test_pure_planted_bugs_fail_their_criteria():
 
 # -- notebooks through dpcourse grade ---------------------------------------------------------
 
+@pytest.mark.timeout(900)  # whole folders of notebooks, each in its own kernel
 def test_solutions_score_full_marks_with_every_output(tmp_path):
     fb, csv_path, lms = tmp_path / "feedback", tmp_path / "grades.csv", tmp_path / "lms.csv"
     proc, report = _grade(tmp_path, ROOT / "solutions", "--csv", csv_path, "--lms-csv", lms,
@@ -186,6 +187,7 @@ def test_solutions_score_full_marks_with_every_output(tmp_path):
     assert (fb / "solutions" / "04_ring_all_reduce.feedback.html").stat().st_size > 1000
 
 
+@pytest.mark.timeout(900)  # whole folders of notebooks, each in its own kernel
 def test_exercises_run_through_and_score_zero(tmp_path):
     _, report = _grade(tmp_path, ROOT / "exercises")
     assert all(nb["status"] == "ok" for nb in report["notebooks"]), report["notebooks"]
@@ -199,6 +201,7 @@ def test_exercises_run_through_and_score_zero(tmp_path):
     assert all(any("not implemented yet" in n for n in r["notes"]) for r in report["results"])
 
 
+@pytest.mark.timeout(900)  # whole folders of notebooks, each in its own kernel
 def test_hanging_and_dying_notebooks_are_stopped_and_the_next_is_graded(tmp_path):
     marker = uuid.uuid4().hex
     folder = tmp_path / "nbs"
@@ -221,6 +224,7 @@ def test_hanging_and_dying_notebooks_are_stopped_and_the_next_is_graded(tmp_path
     assert not _leftovers(marker)
 
 
+@pytest.mark.timeout(900)  # whole folders of notebooks, each in its own kernel
 def test_forged_scores_earn_nothing_and_change_nothing(tmp_path):
     folder = tmp_path / "nbs"
     _write(folder, "03_takeover.ipynb", notebooks.ddp_takeovers())

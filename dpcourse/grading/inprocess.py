@@ -20,11 +20,10 @@ import glob
 import importlib
 import json
 import os
-import re
 import tempfile
 import time
 
-from dpcourse.errors import RankDiedError, RankError, RankTimeoutError
+from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.grading.criteria import NO_DEADLOCK, NO_DELEGATION, NOT_IMPLEMENTED, Criterion
 from dpcourse.grading.guards import forbid, static_references
 from dpcourse.grading.report import CheckResult, CriterionResult
@@ -208,16 +207,16 @@ def _read_records(progress_dir: str) -> list[dict]:
 
 def _learner_frames(stack: str, keep: int = 2) -> str:
     """Where a hung rank was: the torch call it sat in and the innermost frames of learner code."""
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
-    main = [b for b in blocks if b.startswith("Current thread")] or \
-        [b for b in blocks if " in watch" not in b] or blocks
-    frames = [ln.strip() for ln in main[0].splitlines() if ln.strip().startswith("File")]
-    skip = ("site-packages/torch", "dpcourse/_worker.py", "<frozen", "dpcourse/grading/",
-            "dpcourse/launch.py", "/threading.py")
-    own = [ln for ln in frames if not any(s in ln for s in skip)]
-    torch_calls = [ln.rsplit(" in ", 1)[-1] for ln in frames if "site-packages/torch" in ln]
+    from dpcourse.launch.stacks import main_thread_frames
+
+    frames = main_thread_frames(stack)
+    skip = ("site-packages/torch", "dpcourse/grading/", "dpcourse/launch/", "<frozen",
+            "/threading.py")
+    own = [f for f in frames if not any(s in f[0] for s in skip)]
+    torch_calls = [f[2] for f in frames if "site-packages/torch" in f[0]]
     waiting = f"in torch.distributed {torch_calls[0]}, called from " if torch_calls and own else ""
-    return waiting + "; ".join(own[:keep]) if own else ""
+    return waiting + "; ".join(f'File "{f}", line {n} in {fn}' for f, n, fn in own[:keep]) \
+        if own else ""
 
 
 def _describe_failure(err: BaseException, ws: int, records: list[dict]) -> tuple[str, str]:

@@ -359,7 +359,7 @@ class _Relay:
             self._reply(r, int(h["id"]), result)
 
     def timeout_failure(self, timeout: float) -> Failure:
-        from dpcourse.errors import main_thread_frames
+        from dpcourse.launch.stacks import main_thread_frames
 
         lines = []
         waiting = [r for r in range(self.ws) if not self.done[r]]
@@ -376,7 +376,7 @@ class _Relay:
                 what = (f"waiting in {op} (its collective number {seq + 1}), which rank(s) "
                         f"{', '.join(map(str, missing))} never issued")
             else:
-                frames = [f for f in main_thread_frames(self.world.stack(r))
+                frames = [f for f in main_thread_frames(self.world.stack(r), ("dpcourse/",))
                           if f[0].startswith("<") and "frozen" not in f[0]]
                 where = "; ".join(f"{f[0]} line {f[1]} in {f[2]}" for f in frames[:2])
                 what = ("running your code, not waiting for any message (a loop that does not "
