@@ -105,18 +105,6 @@ class NoSyncStillReduces(_Wrapper):
             self.require_backward_grad_sync = old
 
 
-def accumulation_step_sum(model, optimizer, micro_batches, loss_fn):
-    """Accumulates correctly under no_sync, but sums the micro-batch losses instead of averaging."""
-    optimizer.zero_grad()
-    with model.no_sync():
-        for x, y in micro_batches[:-1]:
-            loss_fn(model(x), y).backward()  # BUG: not divided by len(micro_batches)
-    x, y = micro_batches[-1]
-    loss_fn(model(x), y).backward()
-    model.finish_gradient_synchronization()
-    optimizer.step()
-
-
 class WrapsTorchDDP(nn.Module):
     """Delegates everything to torch's DistributedDataParallel."""
 
