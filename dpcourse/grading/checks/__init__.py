@@ -28,7 +28,6 @@ IN_PROCESS: dict[str, str] = {
     "arrival_order": "dpcourse.grading.ex06_arrival_order:ArrivalOrderDDP",
     "token_weighted": "dpcourse.grading.ex07_token_weighted:TokenWeighted",
     "checkpoint_resume": "dpcourse.grading.ex08_checkpoint:CheckpointResume",
-    "nvlink_kernels": "dpcourse.grading.ex12_nvlink_kernels:NvlinkKernels",
     "sharded_step": "dpcourse.grading.ex13_sharded_step:ShardedStep",
 }
 
