@@ -9,25 +9,27 @@ they are imported only when asked for.
 from __future__ import annotations
 
 from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.checks.ex01_mean_gradient import MeanGradient
 from dpcourse.grading.checks.ex02_collectives import CollectiveSemantics
+from dpcourse.grading.checks.ex03_buffers_unused import BuffersUnused
 from dpcourse.grading.checks.ex03_naive_ddp import NaiveDDP
+from dpcourse.grading.checks.ex04_halving_doubling import HalvingDoubling
 from dpcourse.grading.checks.ex04_ring import RingAllReduce
 from dpcourse.grading.checks.ex05_bucketing import AssignBuckets
+from dpcourse.grading.checks.ex05_first_bucket import FirstBucket
+from dpcourse.grading.checks.ex06_arrival_order import ArrivalOrderDDP
 from dpcourse.grading.checks.ex06_overlap import OverlappedDDP
 from dpcourse.grading.checks.ex07_no_sync import NoSync
+from dpcourse.grading.checks.ex07_token_weighted import TokenWeighted
+from dpcourse.grading.checks.ex08_checkpoint import CheckpointResume
 from dpcourse.grading.checks.ex09_cost_model import RingCost
 
 REGISTRY: dict[str, type[Exercise]] = {c.name: c for c in (
-    CollectiveSemantics, NaiveDDP, RingAllReduce, AssignBuckets, OverlappedDDP, NoSync, RingCost)}
+    CollectiveSemantics, NaiveDDP, RingAllReduce, AssignBuckets, OverlappedDDP, NoSync, RingCost,
+    MeanGradient, BuffersUnused, HalvingDoubling, FirstBucket, ArrivalOrderDDP, TokenWeighted,
+    CheckpointResume)}
 
 IN_PROCESS: dict[str, str] = {
-    "mean_gradient": "dpcourse.grading.ex01_mean_gradient:MeanGradient",
-    "halving_doubling": "dpcourse.grading.ex04_halving_doubling:HalvingDoublingAllReduce",
-    "naive_ddp_complete": "dpcourse.grading.ex03_buffers_unused:BuffersUnused",
-    "first_bucket": "dpcourse.grading.ex05_first_bucket:FirstBucket",
-    "arrival_order": "dpcourse.grading.ex06_arrival_order:ArrivalOrderDDP",
-    "token_weighted": "dpcourse.grading.ex07_token_weighted:TokenWeighted",
-    "checkpoint_resume": "dpcourse.grading.ex08_checkpoint:CheckpointResume",
     "sharded_step": "dpcourse.grading.ex13_sharded_step:ShardedStep",
 }
 

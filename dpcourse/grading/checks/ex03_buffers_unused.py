@@ -1,0 +1,235 @@
+"""Exercise 03, part 2: naive DDP with buffers, unused and frozen parameters.
+
+The check's model has what real models have and the warm-up's MLP lacks:
+
+* a ``BatchNorm1d``, whose running statistics are *buffers* that every rank
+  updates from its own shard (torch DDP makes them follow rank 0: broadcast at
+  construction and before every forward);
+* ``extra``, a layer used depending on the data: in step 0 only on rank 0, in
+  step 1 on no rank, in step 2 on every rank;
+* ``spare``, a trainable layer the forward never uses;
+* ``frozen``, a layer with ``requires_grad=False``.
+
+The grader computes what torch DDP (``find_unused_parameters=True``) leaves on
+every rank (:func:`ddp_reference`; the tests hold it against torch DDP itself)
+and compares, step by step: gradients (``None`` included), parameters and buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpcourse.grading.checks import ddp_common as d
+from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
+from dpcourse.grading.shim import COLLECTIVES, P2P
+
+EXTRA_USED = ((0,), (), None)  # ranks that use ``extra`` in each step: some, none, all
+
+
+class Branchy(nn.Module):
+    """An MLP with batch norm, a data-dependent layer, an unused layer and a frozen one."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(d.IN, d.HIDDEN)
+        self.norm = nn.BatchNorm1d(d.HIDDEN)
+        self.out = nn.Linear(d.HIDDEN, d.OUT)
+        self.extra = nn.Linear(d.HIDDEN, d.OUT)
+        self.spare = nn.Linear(d.HIDDEN, d.OUT)
+        self.frozen = nn.Linear(d.IN, d.OUT, bias=False).requires_grad_(False)
+        self.use_extra = True
+
+    def forward(self, x):
+        hidden = torch.relu(self.norm(self.inp(x)))
+        y = self.out(hidden) + self.frozen(x)
+        return y + self.extra(hidden) if self.use_extra else y
+
+
+def make_model(seed: int, rank: int) -> Branchy:
+    """Return rank ``rank``'s model: its own seed and its own buffer values."""
+    torch.manual_seed(seed)
+    model = Branchy()
+    with torch.no_grad():  # so that a missing buffer broadcast shows at construction
+        model.norm.running_mean.fill_(0.1 * rank)
+        model.norm.running_var.fill_(1.0 + rank)
+    return model
+
+
+def uses_extra(step: int, rank: int) -> bool:
+    used = EXTRA_USED[step]
+    return used is None or rank in used
+
+
+def _clone(ts) -> list:
+    return [None if t is None else t.detach().clone() for t in ts]
+
+
+def ddp_reference(seed0: int, batches: list, lr: float) -> dict:
+    """What torch DDP (``find_unused_parameters=True``, ``broadcast_buffers=True``) leaves.
+
+    Args:
+        seed0: rank 0's seed (DDP starts every replica from rank 0's parameters and buffers).
+        batches: ``batches[step][rank]`` is ``(x, y)``.
+        lr: SGD learning rate.
+
+    Returns:
+        ``{"init": {"params", "buffers"}, "steps": [{"grads", "params", "buffers": per rank}]}``;
+        a gradient is the mean over ranks with zeros for ranks that did not use the parameter,
+        and stays None when no rank used it (or it is frozen).
+    """
+    model = make_model(seed0, 0)
+    init = {"params": _clone(model.parameters()), "buffers": _clone(model.buffers())}
+    params = list(model.parameters())
+    rank0_buffers = _clone(model.buffers())
+    out = {"init": init, "steps": []}
+    for step, per_rank in enumerate(batches):
+        grads_per_rank, buffers_per_rank = [], []
+        for rank, (x, y) in enumerate(per_rank):
+            with torch.no_grad():  # DDP broadcasts rank 0's buffers before every forward
+                for b, v in zip(model.buffers(), rank0_buffers):
+                    b.copy_(v)
+            model.use_extra = uses_extra(step, rank)
+            model.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            grads_per_rank.append(_clone(p.grad for p in params))
+            buffers_per_rank.append(_clone(model.buffers()))
+        rank0_buffers = buffers_per_rank[0]
+        grads = []
+        for i, p in enumerate(params):
+            mine = [g[i] for g in grads_per_rank]
+            if not p.requires_grad or all(g is None for g in mine):
+                grads.append(None)
+            else:
+                grads.append(sum(torch.zeros_like(p) if g is None else g for g in mine)
+                             / len(per_rank))
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p -= lr * g
+        out["steps"].append({"grads": grads, "params": _clone(params),
+                             "buffers": buffers_per_rank})
+    return out
+
+
+class BuffersUnused(Exercise):
+    """``CompleteNaiveDDP(module)``: buffers follow rank 0; unused and frozen layers handled."""
+
+    name, exercise, title = "naive_ddp_complete", "03", "Naive DDP with buffers and unused layers"
+    defines = (("main", "CompleteNaiveDDP"),)
+    world_sizes = (2, 3)
+    dist_api = P2P + COLLECTIVES
+    timeout = 45.0
+    criteria = (
+        Criterion("initial_broadcast", "after construction every rank holds rank 0's parameters "
+                  "and buffers", "The ranks start from different parameters and different batch "
+                  "norm statistics: broadcast every parameter and every buffer "
+                  "(module.buffers()) from rank 0."),
+        Criterion("buffers_follow_rank_0", "after each step the buffers equal torch DDP's on "
+                  "the same rank", "Each rank updates the running statistics from its own shard, "
+                  "so they drift apart; torch DDP copies rank 0's buffers to every rank at the "
+                  "start of every forward. Do that in forward().", weight=2),
+        Criterion("grads_averaged", "every gradient equals torch DDP's (the mean over ranks)",
+                  "All-reduce (sum) every gradient and divide by the world size."),
+        Criterion("partly_used_parameter", "a parameter used on some ranks only gets the mean "
+                  "over all ranks, zeros counted for the others, on every rank",
+                  "A rank on which a layer was unused has p.grad None, yet its peers all-reduce "
+                  "that layer: every rank must take part in the same all-reduces, in the same "
+                  "order. Contribute zeros where you have no gradient.", weight=2),
+        Criterion("unused_parameter_keeps_no_grad", "a parameter no rank used keeps grad None, "
+                  "as with torch DDP", "Only you can tell that no rank used a parameter: the "
+                  "ranks have to agree on it (e.g. all-reduce a flag per parameter) before "
+                  "deciding. A zero gradient is not the same as none: optimizers with momentum "
+                  "or weight decay would still move the parameter.", weight=2),
+        Criterion("frozen_parameter_untouched", "a parameter with requires_grad=False gets no "
+                  "gradient and stays rank 0's value", "Skip parameters that do not require "
+                  "gradients in the synchronisation (they are broadcast once, like the others)."),
+        Criterion("matches_torch_ddp", "parameters after each of 3 SGD steps equal torch DDP's",
+                  "Check the other criteria first: each names one cause of a difference.",
+                  weight=2),
+        no_delegation("matches_torch_ddp"), no_deadlock("matches_torch_ddp"),
+    )
+    notes = (f"tolerances (rtol, atol), float32: vs torch DDP "
+             f"{tolerance('gloo', torch.float32, 'vs_ddp')}; what torch DDP computes with "
+             "find_unused_parameters=True; fresh random seeds and batches on each run",)
+
+    def make_inputs(self, rng, world_size):
+        seeds = [rng.getrandbits(31) for _ in range(world_size)]
+        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        batches = [[(torch.randn(d.BATCH, d.IN, generator=gen),
+                     torch.randn(d.BATCH, d.OUT, generator=gen)) for _ in range(world_size)]
+                   for _ in range(len(EXTRA_USED))]
+        return [{"seed": seeds[r], "seed0": seeds[0], "rank": r,
+                 "batches": [batches[s][r] for s in range(len(EXTRA_USED))]}
+                for r in range(world_size)]
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        rank = inputs["rank"]
+        model = make_model(inputs["seed"], rank)
+        begin(link, "construction")
+        wrapped = learner["main"](model)
+        out = {"init": {"params": _clone(model.parameters()), "buffers": _clone(model.buffers())},
+               "steps": []}
+        optimizer = torch.optim.SGD(model.parameters(), lr=d.LR)
+        for step, (x, y) in enumerate(inputs["batches"]):
+            model.use_extra = uses_extra(step, rank)
+            begin(link, f"step {step}; extra used on rank(s) "
+                        f"{list(EXTRA_USED[step]) if EXTRA_USED[step] is not None else 'all'}")
+            d.default_step(wrapped, optimizer, [(x, y)], nn.functional.mse_loss)
+            out["steps"].append({"grads": _clone(p.grad for p in model.parameters()),
+                                 "params": _clone(model.parameters()),
+                                 "buffers": _clone(model.buffers())})
+        return out
+
+    def judge(self, ws, inputs, outputs, events):
+        batches = [[inputs[r]["batches"][s] for r in range(ws)] for s in range(len(EXTRA_USED))]
+        ref = ddp_reference(inputs[0]["seed0"], batches, d.LR)
+        tol = tolerance("gloo", torch.float32, "vs_ddp")
+        model = make_model(0, 0)
+        names = [n for n, _ in model.named_parameters()]
+        bnames = [n for n, _ in model.named_buffers()]
+        recs = []
+        for r in range(ws):
+            got = outputs[r]
+            recs.append(_same("initial_broadcast", names + bnames,
+                              got["init"]["params"] + got["init"]["buffers"],
+                              ref["init"]["params"] + ref["init"]["buffers"], (0, 0),
+                              f"rank {r}, construction"))
+            for step, used in enumerate(EXTRA_USED):
+                case = f"rank {r}, step {step}, extra used on " + (
+                    "every rank" if used is None else f"rank(s) {list(used)}" if used
+                    else "no rank")
+                mine, want = got["steps"][step], ref["steps"][step]
+                recs.append(_same("buffers_follow_rank_0", bnames, mine["buffers"],
+                                  want["buffers"][r], tol, case))
+                for n, a, b in zip(names, mine["grads"], want["grads"]):
+                    crit = ("frozen_parameter_untouched" if n.startswith("frozen")
+                            else "unused_parameter_keeps_no_grad" if b is None
+                            else "partly_used_parameter" if n.startswith("extra") and used
+                            else "grads_averaged")
+                    if a is None or b is None:
+                        detail = f"{n}.grad is {'None' if a is None else 'a tensor'}, torch " \
+                                 f"DDP's is {'None' if b is None else 'a tensor'}"
+                        recs.append(Record(crit, a is None and b is None, detail, case))
+                    else:
+                        diff = mismatch(a, b, *tol)
+                        recs.append(Record(crit, not diff, f"{n}.grad: {diff}", case))
+                recs.append(_same("matches_torch_ddp", names, mine["params"], want["params"],
+                                  tol, case))
+            frozen = [i for i, n in enumerate(names) if n.startswith("frozen")]
+            recs.append(_same("frozen_parameter_untouched", [names[i] for i in frozen],
+                              [got["steps"][-1]["params"][i] for i in frozen],
+                              [ref["init"]["params"][i] for i in frozen], (0, 0),
+                              f"rank {r}, after training"))
+        return recs
+
+    def explain(self, text):
+        return d.explain(text)
+
+
+def _same(crit, names, got, want, tol, case) -> Record:
+    bad = [(n, m) for n, a, b in zip(names, got, want) if (m := mismatch(a.double(), b.double(),
+                                                                           *tol))]
+    return Record(crit, not bad, f"{bad[0][0]}: {bad[0][1]}" if bad else "", case)

@@ -1,0 +1,180 @@
+"""Exercise 06, part 2: buckets built from the order gradients arrived in during the first step.
+
+The check's model registers its layers in a different order from the one its
+forward pass uses them in (``out``, ``mid``, ``inp``, run as inp -> mid -> out),
+so reverse registration order is *not* the order backward produces gradients.
+The learner's wrapper must watch the first step, then bucket in the order it
+saw, as torch DDP's reducer does when it rebuilds its buckets after the first
+iteration. From the second step on, the grader's record shows one all-reduce per
+bucket, in arrival order, the first one issued before backward reaches the first
+layer; every step is compared with what DDP computes and with one process.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpcourse.grading.checks import ddp_common as d
+from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
+from dpcourse.grading.shim import COLLECTIVES, P2P
+
+MIB = 2**20
+CAPS = (700 / MIB, 0.0)
+
+
+class Permuted(nn.Module):
+    """An MLP whose layers are registered out, mid, inp but run inp -> mid -> out."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(d.MID, d.OUT)
+        self.mid = nn.Linear(d.HIDDEN, d.MID)
+        self.inp = nn.Linear(d.IN, d.HIDDEN)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.mid(torch.relu(self.inp(x)))))
+
+
+def make_model(seed: int) -> Permuted:
+    """Return the check's model built from ``seed``."""
+    torch.manual_seed(seed)
+    return Permuted()
+
+
+def arrival_order() -> list[int]:
+    """Return parameter indices (registration order) in the order backward fills their grads."""
+    model, order = make_model(0), []
+    for i, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
+    x, y = torch.randn(d.BATCH, d.IN), torch.randn(d.BATCH, d.OUT)
+    nn.functional.mse_loss(model(x), y).backward()
+    return order
+
+
+def arrival_buckets(order, nbytes, bucket_cap_mb: float) -> list[list[int]]:
+    """Fill buckets along ``order``; a bucket closes once it holds >= the cap (bytes)."""
+    cap, buckets, current, size = bucket_cap_mb * MIB, [], [], 0
+    for i in order:
+        current.append(i)
+        size += nbytes[i]
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+class ArrivalOrderDDP(Exercise):
+    """``ArrivalOrderDDP(module, bucket_cap_mb=...)``: buckets rebuilt in step 1's arrival order."""
+
+    name, exercise, title = "arrival_order", "06", "Buckets in the order gradients arrive"
+    defines = (("main", "ArrivalOrderDDP"),)
+    world_sizes = (2,)
+    dist_api = P2P + COLLECTIVES
+    timeout = 45.0
+    criteria = (
+        Criterion("matches_torch_ddp", "parameters after each of 3 SGD steps equal what torch "
+                  "DDP computes, the first step included", "Every step must average every "
+                  "gradient, the first one too (while you are still learning the order): "
+                  "all-reduce, divide by the world size, write back into param.grad.", weight=3),
+        Criterion("matches_single_process", "parameters after 3 steps equal one process "
+                  "training on the whole global batch", "Check matches_torch_ddp first."),
+        Criterion("buckets_follow_arrival", "from the second step on, the all-reduces carry the "
+                  "buckets of the arrival order (caps 700 B and 0), issued in that order",
+                  "Registration order is not the order gradients arrive in this model. Record "
+                  "the order your hook is called in during the first backward, and build the "
+                  "buckets from that order before the second backward.", weight=3),
+        Criterion("starts_during_backward", "from the second step on, the first all-reduce "
+                  "starts before backward reaches the first layer",
+                  "Launch a bucket from the hook of the gradient that completes it, as soon as "
+                  "it is complete, not from finish_gradient_synchronization().",
+                  needs=("buckets_follow_arrival",)),
+        Criterion("no_serialising_wait", "from the second step on, every bucket is issued "
+                  "(async_op=True) before the first wait",
+                  "Keep the work handles and wait in finish_gradient_synchronization(); waiting "
+                  "in the hook stalls backward.", needs=("buckets_follow_arrival",)),
+        no_delegation("matches_torch_ddp"), no_deadlock("matches_torch_ddp"),
+    )
+    notes = (d.tolerance_note(),)
+
+    def make_inputs(self, rng, world_size):
+        return d.make_inputs(rng, world_size, 1, [{"bucket_cap_mb": cap} for cap in CAPS])
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        cls, out = learner["main"], {"runs": []}
+        for i, kwargs in enumerate(inputs["runs"]):
+            model = make_model(inputs["seed"])
+            begin(link, f"run {i}: construction")
+            wrapped = cls(model, **kwargs)
+
+            def on_grad(grad):  # backward reached the first layer; the gradient is unchanged
+                link.mark("first_layer_backward")
+
+            def mark(module, args, output):
+                if output.requires_grad:
+                    output.register_hook(on_grad)
+            model.inp.register_forward_hook(mark)
+            optimizer = torch.optim.SGD(model.parameters(), lr=d.LR)
+            run = {"params": []}
+            for step, micro in enumerate(inputs["batches"]):
+                begin(link, f"run {i}: step {step}")
+                d.default_step(wrapped, optimizer, micro, nn.functional.mse_loss)
+                run["params"].append([p.detach().clone() for p in model.parameters()])
+            out["runs"].append(run)
+        return out
+
+    def judge(self, ws, inputs, outputs, events):
+        from dpcourse.grading import oracles
+
+        batches = [[inputs[r]["batches"][s] for r in range(ws)] for s in range(d.STEPS)]
+        ref = oracles.train_reference(make_model, inputs[0]["seed"], batches, d.LR)
+        names = [n for n, _ in make_model(0).named_parameters()]
+        nbytes = [p.numel() * p.element_size() for p in make_model(0).parameters()]
+        order = arrival_order()
+        tol_ddp, tol_one = (tolerance("gloo", torch.float32, k) for k in ("vs_ddp", "vs_single"))
+        recs = []
+        for i, cap in enumerate(CAPS):
+            want = [sum(nbytes[j] for j in b) for b in arrival_buckets(order, nbytes, cap)]
+            for r in range(ws):
+                case = f"bucket_cap_mb={cap:g} ({cap * MIB:g} bytes), rank {r}"
+                run = outputs[r]["runs"][i]
+                for step in range(d.STEPS):
+                    bad = [(n, m) for n, a, b in zip(names, run["params"][step],
+                                                     ref["ddp"]["params"][step])
+                           if (m := mismatch(a, b, *tol_ddp))]
+                    recs.append(Record("matches_torch_ddp", not bad, f"after step {step}, "
+                                       f"{bad[0][0]}: {bad[0][1]}" if bad else "", case))
+                bad = [(n, m) for n, a, b in zip(names, run["params"][-1],
+                                                 ref["single"]["params"][-1])
+                       if (m := mismatch(a, b, *tol_one))]
+                recs.append(Record("matches_single_process", not bad, f"{bad[0][0]}: {bad[0][1]}"
+                                   if bad else "", case))
+                for step in range(1, d.STEPS):
+                    recs += self._structure(d.step_events(events[r], i, step), want,
+                                            f"{case}, step {step}")
+        return recs
+
+    @staticmethod
+    def _structure(events, want, case) -> list:
+        order = [e for e in events if e["op"] in ("all_reduce", "wait", "mark")]
+        colls = [k for k, e in enumerate(order) if e["op"] == "all_reduce"]
+        got = [order[k]["nbytes"] for k in colls]
+        recs = [Record("buckets_follow_arrival", got == want, f"all-reduce sizes in issue order "
+                       f"{got} bytes, the arrival order's buckets are {want}", case)]
+        marks = [k for k, e in enumerate(order) if e.get("label") == "first_layer_backward"]
+        recs.append(Record("starts_during_backward", bool(colls and marks and colls[0] < marks[-1]),
+                           "no all-reduce was issued before backward reached the first layer",
+                           case))
+        waits = [k for k, e in enumerate(order) if e["op"] == "wait"]
+        detail = ""
+        if any(not order[k]["async_op"] for k in colls):
+            detail = "an all-reduce was blocking (async_op=False)"
+        elif colls and waits and waits[0] < colls[-1]:
+            detail = "a bucket was waited on before the next bucket was issued"
+        recs.append(Record("no_serialising_wait", not detail, detail, case))
+        return recs
+
+    def explain(self, text):
+        return d.explain(text)
