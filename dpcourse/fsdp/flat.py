@@ -70,10 +70,10 @@ class FlatShard:
         self.shard = nn.Parameter(shard, requires_grad=params[0].requires_grad)
         self.full = torch.empty(world_size * self.chunk, dtype=self.compute_dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()
-        self.free()
         self._work = None
         self._version = 0
         self._block: torch.Tensor | None = None
+        self.free()
         for p_sites in sites:  # the module forgets its parameters; views replace them
             for s in p_sites:
                 del s.module._parameters[s.attr]
@@ -105,7 +105,15 @@ class FlatShard:
             self._work, self._block = None, None
 
     def free(self) -> None:
-        """Release ``full``'s memory; views into it stay valid objects with no data."""
+        """Release ``full``'s memory; views into it stay valid objects with no data.
+
+        A gather still in flight is waited for first: a prefetch whose unit never ran
+        (e.g. a frozen first layer has no backward) would otherwise keep writing into
+        memory already released, and corrupt the process's heap.
+        """
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._block = None, None
         self.full.untyped_storage().resize_(0)
 
     def set_views(self, full: torch.Tensor) -> None:

@@ -163,6 +163,9 @@ def main(workdir: str, rank: int, parent_pid: int) -> None:
     # the file stays open for the life of the process.
     stack_file = open(os.path.join(workdir, f"rank{rank}.stack"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # A crash in C code (a segfault in a collective, say) prints the Python stack of
+    # every thread on the rank's stderr before the process dies.
+    faulthandler.enable(all_threads=True)
     returned = _call(workdir, rank, os.path.join(workdir, f"rank{rank}.result"))
     sys.stdout.flush()
     sys.stderr.flush()
