@@ -307,8 +307,12 @@ def run_check(spec: CheckSpec, obj, extras: dict, *, world_sizes=None, timeout=N
         payload = None
     if payload is not None and spec.in_rank:
         from dpcourse.launch import run
+        from dpcourse.launch.resources import expected_oversubscription
 
-        with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as progress:
+        # Odd world sizes may outnumber the cores on purpose: no warning about ranks the
+        # learner did not ask for.
+        with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as progress, \
+                expected_oversubscription():
             for ws in world_sizes or spec.world_sizes:
                 try:
                     run(_rank_main, spec_path(spec), payload, progress, world_size=ws, backend=backend,

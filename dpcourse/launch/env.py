@@ -1,4 +1,4 @@
-"""Environment of the ranks: what a worker starts with, and the slow-link switch.
+"""Environment of the ranks: what a worker starts with (GPUs hidden or not), and the slow-link switch.
 
 Both are plain environment variables read by the processes a launch starts, so
 they are set in the launching process before the ranks start.
@@ -15,9 +15,17 @@ import socket
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 
 
-def worker_env() -> dict:
-    """Return the environment a rank starts with: ours, this package importable, gloo on loopback."""
+def worker_env(hide_gpus: bool = False) -> dict:
+    """Return the environment a rank starts with: ours, this package importable, gloo on loopback.
+
+    Args:
+        hide_gpus: make every GPU invisible to the rank (``CUDA_VISIBLE_DEVICES`` empty).
+            CUDA reads the variable once, when the rank's torch first initialises it,
+            which is after the process starts with this environment.
+    """
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     # gloo listens on the interface its host name resolves to (often the LAN):

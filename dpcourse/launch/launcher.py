@@ -32,13 +32,33 @@ DEFAULT_TIMEOUT = 120.0
 LOOPBACK = "127.0.0.1"
 
 
-def resolve_backend(backend: str = "auto", world_size: int | None = None) -> tuple[str, int]:
+DEVICES = ("auto", "cpu")
+
+
+def check_device(device) -> str:
+    """Return ``device`` if it is one of :data:`DEVICES`, else raise a ValueError that lists them.
+
+    Args:
+        device: ``"auto"`` or ``"cpu"``.
+    """
+    if not isinstance(device, str) or device not in DEVICES:
+        raise ValueError(
+            f"unknown device {device!r}: use device='auto' (the ranks see this machine's GPUs, "
+            "and run on NCCL when each can have one) or device='cpu' (the ranks see no GPU and "
+            "run on gloo, as on a machine without GPUs). For GPUs pass backend='nccl'.")
+    return device
+
+
+def resolve_backend(backend: str = "auto", world_size: int | None = None,
+                    device: str = "auto") -> tuple[str, int]:
     """Pick the backend and world size the way :func:`run` does.
 
     Args:
         backend: ``"auto"`` (nccl when every rank can have its own GPU, else gloo),
             ``"gloo"`` or ``"nccl"``.
         world_size: number of ranks; ``None`` means one per GPU with nccl, else 2.
+        device: ``"auto"`` (the ranks see the GPUs this process sees) or ``"cpu"``
+            (the ranks see none, so ``"auto"`` means gloo and ``"nccl"`` is refused).
 
     Returns:
         ``(backend, world_size)``.
@@ -47,11 +67,16 @@ def resolve_backend(backend: str = "auto", world_size: int | None = None) -> tup
 
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r}: use 'auto', 'gloo' (CPU) or 'nccl' (GPU).")
+    device = check_device(device)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}.")
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}.")
-    gpus = visible_gpus()
+    if device == "cpu" and backend == "nccl":
+        raise ValueError(
+            "backend 'nccl' runs on GPUs, but device='cpu' hides every GPU from the ranks: use "
+            "backend='gloo' (or 'auto') with device='cpu', or device='auto' to run on GPUs.")
+    gpus = 0 if device == "cpu" else visible_gpus()
     if backend == "auto":
         backend = "nccl" if gpus >= 1 and (world_size is None or world_size <= gpus) else "gloo"
     if backend == "nccl" and gpus == 0:
@@ -122,7 +147,7 @@ def _loopback_store():
         raise
 
 
-def run(fn, *args, world_size: int | None = None, backend: str = "auto",
+def run(fn, *args, world_size: int | None = None, backend: str = "auto", device: str = "auto",
         timeout: float = DEFAULT_TIMEOUT, prefix_output: bool = True, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh process group; return per-rank results.
 
@@ -139,6 +164,12 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto",
         world_size: number of ranks; default one per GPU with nccl, else 2.
         backend: ``"auto"`` (nccl when every rank gets its own GPU, else gloo),
             ``"gloo"`` or ``"nccl"``. With nccl, rank ``r`` uses ``cuda:r``.
+        device: ``"auto"`` (default): the ranks see the GPUs this process sees.
+            ``"cpu"``: every rank sees no GPU (``CUDA_VISIBLE_DEVICES`` is empty in its
+            environment before torch starts, so ``torch.cuda.is_available()`` is False
+            there) and runs on gloo, exactly as on a machine without GPUs; for code that
+            must stay on CPU even where GPUs exist (torch parts that call CUDA whenever
+            a GPU is visible). Other values raise a ValueError.
         timeout: seconds ``fn`` may run (counted once every rank has joined the
             process group) before the ranks are treated as hung (default 120).
             The process group's own timeout is set longer, so that a hang is
@@ -154,11 +185,13 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto",
             or exited abnormally after returning.
         RankTimeoutError: ranks still running after ``timeout`` s; names them and shows
             where each one was waiting.
+        ValueError: a bad ``backend``, ``device``, ``world_size`` or ``timeout`` (nothing
+            was started); the message says which values work.
         RuntimeError: the ranks would not fit in the available memory (see
             :func:`dpcourse.launch.resources.check_resources`; nothing was started).
         KeyboardInterrupt: the caller was interrupted; every rank has been stopped.
     """
-    backend, world_size = resolve_backend(backend, world_size)
+    backend, world_size = resolve_backend(backend, world_size, device)
     timeout = _check_timeout(timeout)
     call = _serialize_call(fn, args, kwargs)
     check_resources(world_size, backend)
@@ -167,6 +200,7 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto",
         store = _loopback_store()
         spec = LaunchSpec(call=call, world_size=world_size, backend=backend, host=LOOPBACK,
                           port=store.port, timeout=timeout,
+                          hide_gpus=device == "cpu",  # checked by resolve_backend
                           # Longer than ours (startup included): a hang is caught by the
                           # launcher, which shows where every waiting rank is, not by one
                           # rank's gloo error.

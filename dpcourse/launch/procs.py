@@ -85,6 +85,7 @@ class LaunchSpec:
         pg_timeout: the process group's own timeout (longer, so the launcher reports a hang).
         sys_path: the launching process's ``sys.path`` (where ``fn``'s module is found).
         prefix: key prefix inside the store.
+        hide_gpus: start the ranks with ``CUDA_VISIBLE_DEVICES`` empty (``run(device="cpu")``).
     """
 
     call: bytes
@@ -96,6 +97,7 @@ class LaunchSpec:
     pg_timeout: float
     sys_path: list[str] = field(default_factory=list)
     prefix: str = "dpcourse"
+    hide_gpus: bool = False
 
 
 class Launch:
@@ -117,7 +119,7 @@ class Launch:
     def start(self) -> None:
         with open(os.path.join(self.workdir, "payload.pkl"), "wb") as f:
             pickle.dump(self.spec, f)
-        env = worker_env()
+        env = worker_env(hide_gpus=self.spec.hide_gpus)
         for rank in range(self.world_size):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dpcourse.launch.worker", self.workdir, str(rank),
