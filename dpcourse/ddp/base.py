@@ -6,7 +6,7 @@ else, yet the gradients are averaged across ranks in between. The mechanism,
 the same one torch's reducer relies on:
 
 1. at construction, a *post-accumulate-grad hook* is registered on every
-   trainable parameter; autograd calls it once per backward, right after the
+   trainable parameter (:mod:`~dpcourse.ddp.grad_hooks`); autograd calls it once per backward, right after the
    parameter's gradient has been added into ``param.grad`` (a weight used twice,
    e.g. tied embeddings, still gets ONE call: autograd sums both contributions
    before accumulating);
@@ -32,7 +32,6 @@ notes (https://pytorch.org/docs/stable/notes/ddp.html).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any
 
 import torch
@@ -43,30 +42,16 @@ from torch.utils.hooks import RemovableHandle
 
 from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp import guards
-from dpcourse.ddp.comm_hooks import check_comm_hook
+from dpcourse.ddp.broadcast import broadcast_module_state
+from dpcourse.ddp.comm_hooks import CommHookWrapper
+from dpcourse.ddp.grad_hooks import register_grad_hooks, take_over
 from dpcourse.ddp.join import JoinableWrapper
-from dpcourse.ddp.unused import globally_unused, reachable_parameters
+from dpcourse.ddp.unused import UnusedParameters
+
+__all__ = ["DataParallelBase", "broadcast_module_state"]
 
 
-def _group_src(group: dist.ProcessGroup | None) -> int:
-    """Global rank of the group's rank 0 (``broadcast`` takes a global rank as ``src``)."""
-    return 0 if group is None else dist.get_global_rank(group, 0)
-
-
-@torch.no_grad()
-def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Overwrite every parameter and buffer with rank 0's copy, so all replicas start equal.
-
-    Args:
-        module: the model; frozen parameters and buffers are included.
-        group: process group (``None``: the default group).
-    """
-    src = _group_src(group)
-    for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(t.detach(), src=src, group=group)
-
-
-class DataParallelBase(nn.Module, JoinableWrapper):
+class DataParallelBase(nn.Module, JoinableWrapper, CommHookWrapper):
     """Shared machinery of the wrappers; subclasses implement how gradients are reduced.
 
     Subclasses override :meth:`_reduce` (average every gradient; once per
@@ -102,14 +87,8 @@ class DataParallelBase(nn.Module, JoinableWrapper):
         guards.check_same_model(module, group, params[0][1].device)
         self._init_join()
         self.broadcast_buffers = bool(broadcast_buffers)
-        self.find_unused_parameters = bool(find_unused_parameters)
-        self.static_graph = bool(static_graph)
-        self._comm_hook: Any = None
-        self._comm_hook_state: Any = None
-        self._unused_at_forward: set[int] = set()  # marked ready when backward starts
-        self._used: set[int] = set()               # got a gradient since the last sync
-        self._grad_was_none: set[int] = set()      # had no .grad before this step's forwards
-        self._static_unused: tuple[set[int], set[int]] | None = None  # (locally, globally)
+        self._unused = UnusedParameters([p for _, p in params], find_unused_parameters,
+                                        static_graph)
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -130,23 +109,8 @@ class DataParallelBase(nn.Module, JoinableWrapper):
 
     # -- hooks -------------------------------------------------------------
     def _install_hooks(self) -> None:
-        # Wrapping the same module twice would average every gradient twice:
-        # the newest wrapper takes over and the older one's hooks are removed.
-        previous = getattr(self.module, "_dpcourse_wrapper", None)
-        if previous is not None and previous() is not None:
-            previous()._remove_hooks()
-        setattr(self.module, "_dpcourse_wrapper", weakref.ref(self))
-        me = weakref.ref(self)  # hooks must not keep a discarded wrapper alive
-
-        def make_hook(index):
-            def hook(param):
-                wrapper = me()
-                if wrapper is not None:
-                    wrapper._on_grad_accumulated(index, param)
-            return hook
-
-        self._hook_handles = [p.register_post_accumulate_grad_hook(make_hook(i))
-                              for i, (_, p) in enumerate(self._named_params)]
+        take_over(self.module, self)  # wrapping a module again unhooks the older wrapper
+        self._hook_handles = register_grad_hooks([p for _, p in self._named_params], self)
         guards.install_step_guard(self)
 
     def _remove_hooks(self) -> None:
@@ -167,11 +131,11 @@ class DataParallelBase(nn.Module, JoinableWrapper):
             Variable._execution_engine.queue_callback(self._backward_end)
             # Parameters the forward did not use get no gradient: their slots (zeros)
             # are ready now, so their buckets need not wait (torch's reducer does the same).
-            for i in sorted(self._unused_at_forward - self._unsynced):
+            for i in sorted(self._unused.at_forward - self._unsynced):
                 self._unsynced.add(i)
                 self._grad_ready(i, self._named_params[i][1])
         self._unsynced.add(index)
-        self._used.add(index)
+        self._unused.used.add(index)
         self._grad_accumulated(index, param)
         if self._sync_this_backward:  # inside no_sync the gradient stays local
             self._grad_ready(index, param)
@@ -235,7 +199,7 @@ class DataParallelBase(nn.Module, JoinableWrapper):
         """
         if not self._unsynced:
             return
-        if self.find_unused_parameters or self.static_graph:
+        if self._unused.searched:
             # Unused here, maybe used elsewhere: reduce their (zero) slots like the rest.
             self._unsynced.update(range(len(self._named_params)))
         try:
@@ -246,45 +210,21 @@ class DataParallelBase(nn.Module, JoinableWrapper):
             raise
         try:
             self._reduce()
-            if self.find_unused_parameters or self.static_graph:
-                self._forget_globally_unused()
+            if self._unused.searched:
+                self._unused.forget_globally_unused(self.join_device, self.group)
         finally:
             self._unsynced.clear()
-            self._used.clear()
-            self._grad_was_none.clear()
+            self._unused.clear()
 
-    def _forget_globally_unused(self) -> None:
-        """Give back ``None`` gradients to parameters no rank used, so optimizers skip them."""
-        if self.static_graph and self._static_unused is not None:
-            unused = self._static_unused[1]  # a static graph: the first step's answer holds
-        else:
-            unused = globally_unused(self._used, len(self._named_params), self.join_device,
-                                     self.group)
-            if self.static_graph:
-                local = set(range(len(self._named_params))) - self._used
-                self._static_unused = (local, unused)
-        for i in unused & self._grad_was_none:
-            self._named_params[i][1].grad = None
+    @property
+    def find_unused_parameters(self) -> bool:
+        """Whether every forward's graph is searched for unused parameters (torch's option)."""
+        return self._unused.find_unused_parameters
 
-    def register_comm_hook(self, state: Any, hook: Any) -> None:
-        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
-
-        Same contract as ``DistributedDataParallel.register_comm_hook``: the hook gets
-        a :class:`~dpcourse.ddp.comm_hooks.GradBucket` and returns a
-        ``torch.futures.Future`` of the reduced flat tensor; torch's hooks in
-        ``torch.distributed.algorithms.ddp_comm_hooks`` work unchanged. The wrapper
-        does not divide by the world size first: the hook owns the reduction.
-
-        Args:
-            state: passed to every call (e.g. a process group, ``None``, or a ``PowerSGDState``).
-            hook: the function ``hook(state, bucket) -> Future[Tensor]``.
-        """
-        if self._comm_hook is not None:
-            raise RuntimeError("a communication hook is already registered on this wrapper; "
-                               "it can be registered only once (as in torch DDP). Wrap the "
-                               "module in a new wrapper to use another hook.")
-        check_comm_hook(hook)
-        self._comm_hook, self._comm_hook_state = hook, state
+    @property
+    def static_graph(self) -> bool:
+        """Whether the unused parameters are found in the first step only (torch's option)."""
+        return self._unused.static_graph
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -343,23 +283,10 @@ class DataParallelBase(nn.Module, JoinableWrapper):
         if torch.is_grad_enabled():  # a no-grad forward (evaluation) leaves pending work alone
             self._sync_this_backward = self.require_backward_grad_sync
             self._forward_pending = self._sync_this_backward
-            if self.find_unused_parameters or self.static_graph:
-                self._grad_was_none.update(
-                    i for i, (_, p) in enumerate(self._named_params) if p.grad is None)
+            self._unused.before_forward()
             self._prepare_grads()
         self._broadcast_buffers_next = torch.is_grad_enabled() and self.require_backward_grad_sync
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
-            self._unused_at_forward = self._find_unused(output)
+            self._unused.after_forward(output, self._sync_this_backward)
         return output
-
-    def _find_unused(self, output: Any) -> set[int]:
-        """Parameters this forward did not use (searched for only when asked to, as in torch)."""
-        if not self._sync_this_backward:
-            return set()
-        if self.static_graph and self._static_unused is not None:
-            return self._static_unused[0]  # found in the first step; no graph walk
-        if self.find_unused_parameters and not self.static_graph:
-            reached = reachable_parameters(output, [p for _, p in self._named_params])
-            return set(range(len(self._named_params))) - reached
-        return set()

@@ -10,7 +10,8 @@ earlier.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from torch import nn
 from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp.base import DataParallelBase
 from dpcourse.ddp.bucket_order import agree_on_order, assign_buckets_in_order
-from dpcourse.ddp.buckets import Bucket, check_bucket_cap, make_buckets
+from dpcourse.ddp.buckets import Bucket, check_bucket_cap, make_buckets, views_into
 from dpcourse.ddp.comm_hooks import HookWork, launch_comm_hook
 
 
@@ -73,7 +74,8 @@ class DataParallelBucketed(DataParallelBase):
         order = list(reversed(range(len(self._named_params))))
         assignment = (None if first_bucket_mb is None else assign_buckets_in_order(
             [p for _, p in self._named_params], order, cap, first_bucket_mb))
-        self.buckets, self._where = make_buckets(self._named_params, cap, assignment)
+        self.buckets, self._where = make_buckets(self._named_params, cap, assignment,
+                                                 self.gradient_as_bucket_view)
 
     def _grad_ready(self, index: int, param: nn.Parameter) -> None:
         if self._rebuild_pending:
@@ -89,7 +91,7 @@ class DataParallelBucketed(DataParallelBase):
         assignment = assign_buckets_in_order(params, order, self.bucket_cap_mb,
                                              self.first_bucket_mb)
         self.buckets, self._where = make_buckets(self._named_params, self.bucket_cap_mb,
-                                                 assignment)
+                                                 assignment, self.gradient_as_bucket_view)
         if self.gradient_as_bucket_view:  # keep accumulated gradients, now in the new buckets
             for bucket in self.buckets:
                 for k, p in enumerate(bucket.params):
@@ -126,9 +128,7 @@ class DataParallelBucketed(DataParallelBase):
                 for p, view in zip(bucket.params, bucket.views):
                     p.grad = view
                 continue
-            for k, (p, view) in enumerate(zip(bucket.params, bucket.views)):
-                if p.grad is not view:
-                    bucket.attach_grad(k)
+            bucket.gather_grads()
 
     def _prepare_grads(self) -> None:
         if self._rebuild_pending and self._arrival:  # before the second forward, as torch
@@ -136,40 +136,29 @@ class DataParallelBucketed(DataParallelBase):
         if self.gradient_as_bucket_view:
             self._attach_grads_to_buckets()
 
-    @torch.no_grad()
-    def _launch(self, bucket: Bucket, async_op: bool) -> None:
-        """Start (or, without ``async_op``, finish) the averaging of one bucket."""
-        if self.gradient_as_bucket_view and self._comm_hook is None:
-            bucket.launch(self.all_reduce, self._gradient_divisor(), async_op=async_op)
-            return
-        if self.gradient_as_bucket_view:
-            for k, (p, view) in enumerate(zip(bucket.params, bucket.views)):
-                if p.grad is not view:
-                    bucket.attach_grad(k)  # param.grad was replaced after backward
-        else:  # separate gradients: copy them in (zeros where unused)
-            for p, view in zip(bucket.params, bucket.views):
-                view.copy_(p.grad) if p.grad is not None else view.zero_()
-        if self._comm_hook is not None:
-            work: Any = launch_comm_hook(self._comm_hook, self._comm_hook_state, bucket.index,
-                                         bucket.buffer, bucket.views, bucket.params,
-                                         bucket.index == len(self.buckets) - 1)
-        else:
-            # Divide BEFORE the sum, as torch DDP does (fp16/bf16 would overflow otherwise).
-            bucket.buffer.div_(self._gradient_divisor())
-            work = self.all_reduce(bucket.buffer, async_op=True)
-        bucket.work = work if self.gradient_as_bucket_view else _CopyOut(work, bucket)
-        bucket.launched = True
+    def _bucket_hook(self) -> Callable[[Bucket], HookWork | None] | None:
+        """What :meth:`Bucket.launch` calls instead of dividing and all-reducing, if anything."""
+        return None if self._comm_hook is None else self._hand_to_comm_hook
+
+    def _hand_to_comm_hook(self, bucket: Bucket) -> HookWork | None:
+        """Give ``bucket`` to the registered communication hook; return its pending work."""
+        work = launch_comm_hook(self._comm_hook, self._comm_hook_state, bucket.index,
+                                bucket.buffer, bucket.views, bucket.params,
+                                bucket.index == len(self.buckets) - 1)
         # A hook may issue more collectives from its future's callbacks (PowerSGD does).
         # NCCL runs those callbacks at once on this thread; gloo runs them later on its
         # own thread, where they could interleave with the next bucket's collectives in a
         # different order on each rank. There, finish each bucket before the next.
-        if not async_op or (isinstance(work, HookWork) and
-                            dist.get_backend(self.group) != "nccl"):
-            bucket.wait()
+        if dist.get_backend(self.group) != "nccl":
+            work.wait()
+            return None
+        return work
 
     def _reduce(self) -> None:
         for bucket in self.buckets:
-            self._launch(bucket, async_op=False)
+            bucket.launch(self.all_reduce, self._gradient_divisor(), async_op=False,
+                          comm_hook=self._bucket_hook())
+            bucket.wait()  # a hook's result, or separate gradients copied back
             bucket.reset()
 
     @torch.no_grad()
@@ -179,34 +168,9 @@ class DataParallelBucketed(DataParallelBase):
             zeros = torch.zeros_like(bucket.buffer)
             if self._comm_hook is None:
                 works.append(self.all_reduce(zeros, async_op=True))
-                continue
-            views, offset = [], 0
-            for p in bucket.params:
-                views.append(zeros[offset:offset + p.numel()].view(p.shape))
-                offset += p.numel()
-            work = launch_comm_hook(self._comm_hook, self._comm_hook_state, bucket.index, zeros,
-                                    views, bucket.params, bucket.index == len(self.buckets) - 1)
-            if dist.get_backend(self.group) != "nccl":
-                work.wait()  # see _launch: gloo runs a hook's callbacks on its own thread
             else:
-                works.append(work)
+                works.append(self._hand_to_comm_hook(
+                    replace(bucket, buffer=zeros, views=views_into(zeros, bucket.params))))
         for w in works:
             if w is not None:
                 w.wait()
-
-
-class _CopyOut:
-    """Wait for a bucket's reduction, then copy the result into the separate ``param.grad``."""
-
-    def __init__(self, work: Any, bucket: Bucket):
-        self.work, self.bucket = work, bucket
-
-    @torch.no_grad()
-    def wait(self) -> None:
-        if self.work is not None:  # None: a custom all_reduce= already finished
-            self.work.wait()
-        for p, view in zip(self.bucket.params, self.bucket.views):
-            if p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)

@@ -101,7 +101,8 @@ class Bucket:
     The round is what :class:`~dpcourse.ddp.DataParallelOverlapped` tracks per
     backward (as picotron's ``Bucket`` does): how many gradients are still
     missing (:meth:`mark_ready`), and the work handle of its all-reduce once
-    launched (:meth:`launch`, :meth:`wait`).
+    launched (:meth:`launch`, :meth:`wait`). Every wrapper launches a bucket
+    through :meth:`launch`, a communication hook included.
 
     Attributes:
         index: position in the reduction order.
@@ -110,6 +111,9 @@ class Bucket:
         params: the parameters themselves.
         buffer: the flat 1-D gradient storage (one dtype, one device).
         views: ``views[k]`` is ``buffer``'s slice shaped like ``params[k]``.
+        grads_are_views: each ``params[k].grad`` is ``views[k]`` (torch's
+            ``gradient_as_bucket_view=True``); False: separate gradients, copied into
+            the buffer at :meth:`launch` and back out at :meth:`wait`.
         pending: gradients of this round not yet marked ready.
         launched: the all-reduce of this round has been issued.
     """
@@ -120,6 +124,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(repr=False)
+    grads_are_views: bool = field(default=True, repr=False)
     pending: int = field(default=0, repr=False)
     launched: bool = field(default=False, repr=False)
     work: Any = field(default=None, repr=False)
@@ -177,7 +182,8 @@ class Bucket:
         return self.pending == 0
 
     @torch.no_grad()
-    def launch(self, all_reduce: Callable[..., Any], world_size: int, async_op: bool) -> None:
+    def launch(self, all_reduce: Callable[..., Any], world_size: int, async_op: bool,
+               comm_hook: Callable[[Bucket], Any] | None = None) -> None:
         """Average the bucket in place: divide by ``world_size``, then ``all_reduce`` the buffer.
 
         Args:
@@ -185,15 +191,30 @@ class Bucket:
             world_size: what the sum is divided by: the number of ranks averaged over
                 (under ``Join``, optionally the ranks still training).
             async_op: keep the work handle (:meth:`wait` waits for it) instead of blocking.
+            comm_hook: ``fn(bucket) -> work or None`` that replaces both steps: a
+                registered communication hook owns the whole reduction, so nothing is
+                divided first (see :mod:`dpcourse.ddp.comm_hooks`).
         """
-        for k, (p, view) in enumerate(zip(self.params, self.views)):
-            if p.grad is not view:
-                self.attach_grad(k)  # param.grad was replaced after backward
-        # Divide BEFORE the sum, as torch DDP does: the sum then never exceeds the
-        # range of one rank's gradient (fp16/bf16 would overflow otherwise).
-        self.buffer.div_(world_size)
-        self.work = all_reduce(self.buffer, async_op=async_op)
+        self.gather_grads()
+        if comm_hook is not None:
+            work = comm_hook(self)
+        else:
+            # Divide BEFORE the sum, as torch DDP does: the sum then never exceeds the
+            # range of one rank's gradient (fp16/bf16 would overflow otherwise).
+            self.buffer.div_(world_size)
+            work = all_reduce(self.buffer, async_op=async_op)
+        self.work = work if self.grads_are_views else _CopyOut(work, self)
         self.launched = True
+
+    def gather_grads(self) -> None:
+        """Make the buffer hold every ``param.grad`` of the bucket before it is reduced."""
+        if self.grads_are_views:
+            for k, (p, view) in enumerate(zip(self.params, self.views)):
+                if p.grad is not view:
+                    self.attach_grad(k)  # param.grad was replaced after backward
+            return
+        for p, view in zip(self.params, self.views):  # separate gradients: copy them in
+            view.copy_(p.grad) if p.grad is not None else view.zero_()  # zeros where unused
 
     def wait(self) -> None:
         """Wait for the launched all-reduce (on GPU: order the current stream after it)."""
@@ -202,8 +223,34 @@ class Bucket:
             work.wait()  # for this bucket's all_reduce, started with async_op=True
 
 
+class _CopyOut:
+    """Wait for a bucket's reduction, then copy the result into the separate ``param.grad``."""
+
+    def __init__(self, work: Any, bucket: Bucket):
+        self.work, self.bucket = work, bucket
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        if self.work is not None:  # None: a custom all_reduce= or a blocking call finished
+            self.work.wait()
+        for p, view in zip(self.bucket.params, self.bucket.views):
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
+
+def views_into(buffer: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Slice the flat ``buffer`` into one view per parameter, shaped like it, in order."""
+    views, offset = [], 0
+    for p in params:
+        views.append(buffer[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
 def make_buckets(named_params, bucket_cap_mb: float,
-                 assignment: list[list[int]] | None = None
+                 assignment: list[list[int]] | None = None, grads_are_views: bool = True
                  ) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
     """Allocate the flat buffers for ``named_params`` and the per-parameter views into them.
 
@@ -212,6 +259,7 @@ def make_buckets(named_params, bucket_cap_mb: float,
         bucket_cap_mb: see :func:`assign_buckets`.
         assignment: the buckets as lists of parameter indices, in reduction order;
             ``None``: :func:`assign_buckets` with ``bucket_cap_mb``.
+        grads_are_views: see :class:`Bucket`.
 
     Returns:
         ``(buckets, where)``: the buckets in reduction order, and for each parameter
@@ -224,11 +272,9 @@ def make_buckets(named_params, bucket_cap_mb: float,
         params = [named_params[i][1] for i in indices]
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                              device=params[0].device)
-        views, offset = [], 0
-        for k, (i, p) in enumerate(zip(indices, params)):
-            views.append(buffer[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        for k, i in enumerate(indices):
             where[i] = (b, k)
         names = [named_params[i][0] for i in indices]
-        buckets.append(Bucket(b, indices, names, params, buffer, views))
+        buckets.append(Bucket(b, indices, names, params, buffer, views_into(buffer, params),
+                              grads_are_views))
     return buckets, where

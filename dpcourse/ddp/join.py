@@ -37,10 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
-
-def group_src(group, group_rank: int) -> int:
-    """Global rank of ``group_rank`` in ``group`` (``broadcast`` takes a global ``src``)."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+from dpcourse.ddp.broadcast import group_src
 
 
 def find_common_rank(group, device, candidate: bool) -> int:

@@ -87,7 +87,8 @@ class DataParallelOverlapped(DataParallelBucketed):
 
     def _launch_ready_buckets(self) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
-            self._launch(self.buckets[self._next_bucket], async_op=True)
+            self.buckets[self._next_bucket].launch(self.all_reduce, self._gradient_divisor(),
+                                                   async_op=True, comm_hook=self._bucket_hook())
             self._next_bucket += 1
 
     def _reduce(self) -> None:

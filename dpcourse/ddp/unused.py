@@ -20,8 +20,11 @@ Reference: ``torch/csrc/distributed/c10d/reducer.cpp``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def _tensors_in(obj):
@@ -82,3 +85,71 @@ def globally_unused(used: set[int], num_params: int, device, group=None) -> set[
         flags[sorted(used)] = 1.0
     dist.all_reduce(flags, group=group)
     return {i for i in range(num_params) if flags[i].item() == 0}
+
+
+class UnusedParameters:
+    """One rank's record of which parameters got a gradient, and what torch's options make of it.
+
+    Args:
+        params: the wrapper's trainable parameters (indices below are into this list).
+        find_unused_parameters: search every forward's graph for the parameters it did not use.
+        static_graph: the same parameters are used every step: find them in the first only.
+
+    Attributes:
+        at_forward: parameters the last forward did not use; backward marks them ready at once.
+        used: parameters that got a gradient since the last synchronisation.
+        grad_was_none: parameters without ``.grad`` before this step's forwards.
+    """
+
+    def __init__(self, params: list[nn.Parameter], find_unused_parameters: bool,
+                 static_graph: bool):
+        self.params = params
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.static_graph = bool(static_graph)
+        self.at_forward: set[int] = set()
+        self.used: set[int] = set()
+        self.grad_was_none: set[int] = set()
+        self._static: tuple[set[int], set[int]] | None = None  # first step's (locally, globally)
+
+    @property
+    def searched(self) -> bool:
+        """Whether either option is on: unused parameters' zero gradients are reduced too."""
+        return self.find_unused_parameters or self.static_graph
+
+    def before_forward(self) -> None:
+        """Note the parameters with no gradient yet (a forward with grad enabled follows)."""
+        if self.searched:
+            self.grad_was_none.update(i for i, p in enumerate(self.params) if p.grad is None)
+
+    def after_forward(self, output: Any, syncs: bool) -> None:
+        """Find the parameters this forward did not use (only when asked to, as in torch).
+
+        Args:
+            output: the forward's result.
+            syncs: whether the backward of this forward synchronises (outside ``no_sync``).
+        """
+        if syncs and self.static_graph and self._static is not None:
+            self.at_forward = self._static[0]  # found in the first step; no graph walk
+        elif syncs and self.find_unused_parameters and not self.static_graph:
+            reached = reachable_parameters(output, self.params)
+            self.at_forward = set(range(len(self.params))) - reached
+        else:
+            self.at_forward = set()
+
+    def forget_globally_unused(self, device: torch.device,
+                               group: dist.ProcessGroup | None) -> None:
+        """Give back ``None`` gradients to parameters no rank used, so optimizers skip them."""
+        if self.static_graph and self._static is not None:
+            unused = self._static[1]  # a static graph: the first step's answer holds
+        else:
+            unused = globally_unused(self.used, len(self.params), device, group)
+            if self.static_graph:
+                local = set(range(len(self.params))) - self.used
+                self._static = (local, unused)
+        for i in unused & self.grad_was_none:
+            self.params[i].grad = None
+
+    def clear(self) -> None:
+        """Start a new synchronisation: nothing used yet."""
+        self.used.clear()
+        self.grad_was_none.clear()
