@@ -217,7 +217,11 @@ class Bucket:
             view.copy_(p.grad) if p.grad is not None else view.zero_()  # zeros where unused
 
     def wait(self) -> None:
-        """Wait for the launched all-reduce (on GPU: order the current stream after it)."""
+        """Wait for the launched reduction (on GPU: order the current stream after it).
+
+        With separate gradients (``grads_are_views=False``) the result is then copied
+        into each ``param.grad``.
+        """
         work, self.work = self.work, None
         if work is not None:
             work.wait()  # for this bucket's all_reduce, started with async_op=True
