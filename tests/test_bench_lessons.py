@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dpcourse.bench.lessons import gpu_timeline
+from dpcourse.bench.chrome_trace import gpu_timeline
 from dpcourse.bench.recorded import hardware, load_recording
 
 

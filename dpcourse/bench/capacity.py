@@ -20,9 +20,9 @@ import gc
 import torch
 import torch.distributed as dist
 
+from dpcourse.bench.sharded import build_variant, count_parameters
+from dpcourse.bench.workload import make_step
 from dpcourse.device import rank_device
-
-from dpcourse.bench.sharded import build_variant, count_parameters, make_step
 
 
 def _cfg(n_layer: int, width: int, seq_len: int):

@@ -14,23 +14,13 @@ import torch.distributed as dist
 from dpcourse.bench.records import StepRow
 from dpcourse.bench.sharded import build_variant, measure_memory
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
+from dpcourse.bench.workload import adamw, gpt_config, make_step
 from dpcourse.device import rank_device
 
 VARIANTS = ("local", "naive", "bucketed", "overlapped", "torch_ddp")
 # Also accepted (not in the default list): sharded data parallelism, see dpcourse.bench.sharded.
 SHARDED = ("zero1", "zero2", "fsdp", "torch_fsdp")
 KERNEL_VARIANTS = ("overlapped_one_shot", "overlapped_two_shot")  # GPUs joined by NVLink only
-CONFIGS = ("gpt2_small", "tiny")
-
-
-def _config(name: str, device: torch.device):
-    from dpcourse import models
-
-    if name == "auto":
-        name = "gpt2_small" if device.type == "cuda" else "tiny"
-    if name not in CONFIGS:
-        raise ValueError(f"unknown model config {name!r}: choose 'auto' or one of {CONFIGS}.")
-    return name, getattr(models, name)()
 
 
 def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kwargs):
@@ -61,20 +51,6 @@ def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kw
                      f"{VARIANTS + SHARDED + KERNEL_VARIANTS}.")
 
 
-def _train_step(model, opt, idx, targets, amp_dtype):
-    device_type = idx.device.type
-
-    def step():
-        with torch.autocast(device_type, dtype=amp_dtype or torch.float32,
-                            enabled=amp_dtype is not None):
-            _, loss = model(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
 def _n_buckets(wrapped):
     buckets = getattr(wrapped, "buckets", None)
     return len(buckets) if buckets is not None else None
@@ -86,7 +62,7 @@ def _compare(variants, *, config, batch_size, bucket_cap_mb, warmup, iters, grou
     from dpcourse.models import GPT, random_tokens
 
     device = rank_device(group)
-    cfg_name, cfg = _config(config, device)
+    cfg_name, cfg = gpt_config(config, device)
     if batch_size is None:
         batch_size = 8
     amp_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else None,
@@ -99,15 +75,14 @@ def _compare(variants, *, config, batch_size, bucket_cap_mb, warmup, iters, grou
             wrapped, opt, own_amp, _ = build_variant(variant, cfg, device,
                                                      bucket_cap_mb=bucket_cap_mb, group=group)
             amp_v = amp_dtype if variant in ("zero1", "zero2") else own_amp
-            steps[variant] = _train_step(wrapped, opt, idx, targets, amp_v)
+            steps[variant] = make_step(wrapped, opt, idx, targets, amp_v)
             wrapped_models[variant] = wrapped
             continue
         model = GPT(cfg, seed=0).to(device)
         n_params = sum(p.numel() for p in model.parameters())
         wrapped = _wrap(variant, model, device, bucket_cap_mb, group, torch_ddp_kwargs)
-        opt_kwargs = {"fused": True} if device.type == "cuda" else {}
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **opt_kwargs)
-        steps[variant] = _train_step(wrapped, opt, idx, targets, amp_dtype)
+        opt = adamw(model.parameters(), device)
+        steps[variant] = make_step(wrapped, opt, idx, targets, amp_dtype)
         wrapped_models[variant] = wrapped
     times = time_interleaved(steps, warmup=warmup, iters=iters, group=group, device=device)
     n_buckets = {v: _n_buckets(w) for v, w in wrapped_models.items()}

@@ -63,14 +63,13 @@ def fsdp_timeline(*, config: str = "gpt2_small", batch_size: int = 8, iters: int
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from dpcourse.bench.ddp import _config
-    from dpcourse.bench.sharded import make_step
+    from dpcourse.bench.workload import gpt_config, make_step
     from dpcourse.fsdp import FullyShardedDataParallel
     from dpcourse.models import GPT, random_tokens
 
     device = rank_device()
     torch.cuda.set_device(device)
-    _, cfg = _config(config, device)
+    _, cfg = gpt_config(config, device)
     idx, targets = (t.to(device) for t in random_tokens(batch_size, cfg, seed=dist.get_rank()))
     steps, out = {}, {}
     for prefetch in (True, False):

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from dpcourse.bench.ddp import _config, _train_step, _wrap
+from dpcourse.bench.ddp import _wrap
+from dpcourse.bench.workload import adamw, autocast_dtype, gpt_config, make_step
 from dpcourse.device import rank_device
 
 
@@ -40,8 +41,8 @@ def profile_ddp_steps(variants=("overlapped", "torch_ddp"), *, config: str = "au
     from dpcourse.models import GPT, random_tokens
 
     device = rank_device()
-    _, cfg = _config(config, device)
-    amp = torch.bfloat16 if device.type == "cuda" else None
+    _, cfg = gpt_config(config, device)
+    amp = autocast_dtype(device)
     idx, targets = (t.to(device) for t in random_tokens(batch_size, cfg, seed=dist.get_rank()))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     device_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -49,9 +50,8 @@ def profile_ddp_steps(variants=("overlapped", "torch_ddp"), *, config: str = "au
     for variant in variants:
         model = GPT(cfg, seed=0).to(device)
         wrapped = _wrap(variant, model, device, bucket_cap_mb, None, None)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
-                                **({"fused": True} if device.type == "cuda" else {}))
-        step = _train_step(wrapped, opt, idx, targets, amp)
+        opt = adamw(model.parameters(), device)
+        step = make_step(wrapped, opt, idx, targets, amp)
         for _ in range(warmup):
             step()
         dist.barrier()

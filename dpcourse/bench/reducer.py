@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
+from dpcourse.bench.workload import adamw, autocast_dtype, gpt_config, make_step
 from dpcourse.device import rank_device
 
 CURVE_STEPS = int(os.environ.get("DPCOURSE_CURVE_STEPS", 200))
@@ -68,25 +69,15 @@ def build(variant: str, model, device):
 
 
 def _gpt_step(variant: str, batch_size: int = 8):
-    from dpcourse.bench.ddp import _config
     from dpcourse.models import GPT, random_tokens
 
     device = rank_device()
-    _, cfg = _config("auto", device)
+    _, cfg = gpt_config("auto", device)
     idx, targets = (t.to(device) for t in random_tokens(batch_size, cfg, seed=dist.get_rank()))
     model = GPT(cfg, seed=0).to(device)
     wrapped = build(variant, model, device)
-    fused = {"fused": True} if device.type == "cuda" else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = wrapped(idx, targets)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
+    return make_step(wrapped, adamw(model.parameters(), device), idx, targets,
+                     autocast_dtype(device))
 
 
 def step_times(variants, iters: int = ITERS) -> list[dict]:

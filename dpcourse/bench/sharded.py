@@ -18,13 +18,13 @@ bytes of this rank's optimizer state and gradients.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dpcourse.bench.timing import device_name, summarize, time_interleaved
+from dpcourse.bench.workload import (adamw, adamw_options, autocast_dtype, gpt_config,
+                                     make_step)
 from dpcourse.device import rank_device
 
 SHARDED_VARIANTS = ("torch_ddp", "zero1", "zero2", "fsdp", "torch_fsdp")
@@ -48,8 +48,7 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
 
     with torch.device(device):  # initialise on the GPU: large models build in seconds
         model = GPT(cfg, seed=0)
-    amp = torch.bfloat16 if device.type == "cuda" else None
-    fused: dict[str, Any] = {"fused": True} if device.type == "cuda" else {}
+    amp = autocast_dtype(device)
     wrapped: nn.Module
     if variant == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -57,8 +56,7 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
         ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
                                           gradient_as_bucket_view=True, process_group=group)
-        return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4, **fused), amp, \
-            list(model.parameters())
+        return wrapped, adamw(model.parameters(), device), amp, list(model.parameters())
     if variant in ("zero1", "zero2"):
         from dpcourse.ddp import DataParallelOverlapped
         from dpcourse.zero import ShardedOptimizer
@@ -67,15 +65,14 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
                    if variant == "zero1" else model)
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, group=group,
                                gradients="averaged" if variant == "zero1" else "sharded",
-                               bucket_cap_mb=bucket_cap_mb, lr=1e-4, **fused)
+                               bucket_cap_mb=bucket_cap_mb, **adamw_options(device))
         return wrapped, opt, amp, list(model.parameters())
-    low = torch.bfloat16 if device.type == "cuda" else None
+    low = autocast_dtype(device)  # FSDP's compute dtype instead of autocast
     if variant == "fsdp":
         from dpcourse.fsdp import FullyShardedDataParallel
 
         wrapped = FullyShardedDataParallel(model, compute_dtype=low, group=group)
-        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, **fused), None, \
-            list(wrapped.parameters())
+        return wrapped, adamw(wrapped.parameters(), device), None, list(wrapped.parameters())
     if variant == "torch_fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -83,8 +80,7 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, **fused), None, \
-            list(model.parameters())
+        return model, adamw(model.parameters(), device), None, list(model.parameters())
     raise ValueError(f"unknown variant {variant!r}: choose from {SHARDED_VARIANTS}.")
 
 
@@ -94,17 +90,6 @@ def count_parameters(cfg) -> int:
 
     with torch.device("meta"):
         return GPT(cfg, seed=None).num_parameters()
-
-
-def make_step(model, opt, idx, targets, amp):
-    """Return a function running one forward, backward and optimizer step."""
-    def step():
-        with torch.autocast(idx.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            _, loss = model(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return step
 
 
 def state_bytes(opt) -> int:
@@ -164,13 +149,12 @@ def sharded_step_times(variants=SHARDED_VARIANTS, *, config: str = "auto", batch
         fields, ``vs_torch_fsdp`` / ``vs_torch_ddp`` ratios of medians, ``peak_bytes`` and
         ``held_bytes`` (GPU), ``state_bytes``, ``grad_bytes``, and the setup.
     """
-    from dpcourse.bench.ddp import _config
     from dpcourse.models import random_tokens
 
     device = rank_device(group)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cfg_name, cfg = _config(config, device)
+    cfg_name, cfg = gpt_config(config, device)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     idx, targets = (t.to(device) for t in random_tokens(batch_size, cfg, seed=rank))
     memory = {v: measure_memory(v, cfg, device, idx, targets, group=group) for v in variants}
