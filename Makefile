@@ -29,7 +29,8 @@ setup: $(VENV)/.installed
 course: setup  ## set up, then open JupyterLab on lesson 00 (loopback only)
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) lessons/00_setup.ipynb
 
-# Type-checked packages: the algorithms (zero/ and fsdp/ once they exist).
+# Type-checked packages: the algorithms, dpcourse/comm/kernels included (zero/ and fsdp/
+# once they exist).
 TYPED := $(wildcard dpcourse/comm dpcourse/ddp dpcourse/zero dpcourse/zero.py dpcourse/fsdp dpcourse/fsdp.py)
 
 test: setup  ## set up, type-check the algorithms, run every test and execute every notebook

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.comm.kernels.schedule import grid_size, slice_len
-from dpcourse.comm.kernels.workspace import get_workspace, symmetric_workspace_of
+from dpcourse.comm.kernels.workspace import Workspace, get_workspace, symmetric_workspace_of
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TILE_BYTES = 16 * 1024  # bytes of one tensor a block handles per loop iteration
@@ -40,7 +40,7 @@ ALIGN = 16  # elements: every rank's slice starts 16-element aligned (16-byte ac
 MAX_NUMEL = 2**31 - 2**24  # the kernels index with 32-bit offsets
 
 
-def _check(tensor: torch.Tensor, group, op) -> torch.Tensor:
+def _check(tensor: torch.Tensor, op) -> torch.Tensor:
     """Validate the arguments; return the 1-D view to reduce."""
     if (type(tensor) is torch.Tensor and tensor.is_cuda and op is dist.ReduceOp.SUM
             and tensor.dtype in DTYPES and tensor.is_contiguous() and tensor.dim() == 1
@@ -62,6 +62,19 @@ def _check(tensor: torch.Tensor, group, op) -> torch.Tensor:
     if tensor.numel() > MAX_NUMEL:
         raise ValueError(f"at most {MAX_NUMEL} elements per call; split the tensor.")
     return tensor.view(-1)
+
+
+def _prepare(tensor: torch.Tensor, op) -> torch.Tensor | None:
+    """Validate the arguments; return the 1-D view to reduce, or ``None`` when it is empty."""
+    flat = _check(tensor, op)
+    return flat if flat.numel() else None
+
+
+def _launch_shape(length: int, dtype: torch.dtype, max_blocks: int,
+                  ws: Workspace) -> tuple[int, int]:
+    """Return ``(grid, block)`` for a kernel over ``length`` elements of ``dtype``."""
+    block = block_elems(dtype)
+    return grid_size(length, block, min(max_blocks, ws.max_blocks)), block
 
 
 def _kernels():
@@ -90,19 +103,17 @@ def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         kernel: a Triton kernel with the parameters of ``one_shot_kernel`` to launch instead
             (the exercise's); ``None`` launches ours.
     """
-    flat = _check(tensor, group, op)
-    n = flat.numel()
-    if n == 0:
+    flat = _prepare(tensor, op)
+    if flat is None:
         return
-    element = flat.element_size()
+    n, element = flat.numel(), flat.element_size()
     ws = get_workspace(2 * n * element, group, flat.device)  # two halves, each fits a call
     if ws.world_size == 1:
         return
     # Calls alternate between two fixed halves: a rank rewrites a half only after the
     # barrier of the call in between, so no peer can still be reading it (see the kernel).
     buf = ws.next_half(flat.dtype, n)
-    block = block_elems(flat.dtype)
-    grid = grid_size(n, block, min(max_blocks, ws.max_blocks))
+    grid, block = _launch_shape(n, flat.dtype, max_blocks, ws)
     _kernels().launch_one_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
                                ws.rank, ws.world_size, grid, block, NUM_WARPS, kernel)
 
@@ -112,23 +123,21 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     """Sum ``tensor`` over ``group`` in place: reduce-scatter by peer loads, all-gather by stores.
 
     Args:
-        tensor: contiguous CUDA tensor (float32, bfloat16 or float16), same size on every
-            rank; one from :func:`symmetric_empty` is reduced without copies.
-        group: the process group; ``None`` means the default group.
-        op: only ``dist.ReduceOp.SUM``.
-        max_blocks: cap on the grid (blocks per rank).
+        tensor: as for :func:`one_shot_all_reduce`; a tensor from :func:`symmetric_empty`
+            is reduced without copies.
+        group, op, max_blocks: as for :func:`one_shot_all_reduce`.
         kernel: a Triton kernel with the parameters of ``two_shot_kernel`` to launch instead
             (the exercise's); ``None`` launches ours.
     """
-    flat = _check(tensor, group, op)
-    n = flat.numel()
-    if n == 0:
+    flat = _prepare(tensor, op)
+    if flat is None:
         return
-    element = flat.element_size()
-    ws = symmetric_workspace_of(flat, group)
-    copy = ws is None
-    if copy:  # two halves, each with room for world_size aligned slices (<= 64 ranks)
-        ws = get_workspace(2 * (n + 64 * ALIGN) * element, group, flat.device)
+    n, element = flat.numel(), flat.element_size()
+    resident = symmetric_workspace_of(flat, group)
+    copy = resident is None
+    # Copying: two halves, each with room for world_size aligned slices (<= 64 ranks).
+    ws = (get_workspace(2 * (n + 64 * ALIGN) * element, group, flat.device)
+          if resident is None else resident)
     if ws.world_size == 1:
         return
     length = slice_len(n, ws.world_size, ALIGN)
@@ -138,7 +147,6 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         buf = ws.next_half(flat.dtype, n)
     else:  # the tensor is the symmetric buffer: peers load and store it directly
         buf = flat
-    block = block_elems(flat.dtype)
-    grid = grid_size(length, block, min(max_blocks, ws.max_blocks))
+    grid, block = _launch_shape(length, flat.dtype, max_blocks, ws)
     _kernels().launch_two_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas, length,
                                ws.rank, ws.world_size, grid, block, NUM_WARPS, copy, kernel)

@@ -18,9 +18,9 @@ time the collective, not a usable in-place call.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from dpcourse.comm.kernels.allreduce import one_shot_all_reduce, two_shot_all_reduce
+from dpcourse.comm.kernels.workspace import process_group
 
 
 class _Resident:
@@ -57,12 +57,12 @@ def _torch_buffer(numel, dtype, group):
         pass
     device = torch.device("cuda", torch.cuda.current_device())
     t = symm_mem.empty(numel, dtype=dtype, device=device)
-    symm_mem.rendezvous(t, group if group is not None else dist.group.WORLD)
+    symm_mem.rendezvous(t, process_group(group))
     return t
 
 
 def _group_name(group) -> str:
-    return (group if group is not None else dist.group.WORLD).group_name
+    return process_group(group).group_name
 
 
 def kernel_impls() -> dict:

@@ -85,6 +85,18 @@ class Step:
     index: range | None = None
     offset: int = 0
 
+    @property
+    def elements(self) -> range:
+        """``index``; no elements for the barrier's ``send`` and ``wait``."""
+        return self.index if self.index is not None else range(0)
+
+    @property
+    def target(self) -> int:
+        """The rank a ``send`` or ``push`` writes to (those steps always name a peer)."""
+        if self.peer is None:
+            raise ValueError(f"a {self.op!r} step of rank {self.rank} names no peer.")
+        return self.peer
+
 
 def one_shot_plan(numel: int, world_size: int, block: int = 4, max_blocks: int = 2,
                   barrier: bool = True, offset: int = 0) -> dict[tuple[int, int], list[Step]]:

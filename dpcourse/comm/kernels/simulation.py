@@ -42,7 +42,7 @@ class Machine:
 def is_ready(m: Machine, s: Step) -> bool:
     """Return whether ``s`` can run now: a send into a full slot or a wait on an empty one spins."""
     if s.op == "send":
-        return m.flags[s.peer].get((s.block, s.rank), 0) == 0
+        return m.flags[s.target].get((s.block, s.rank), 0) == 0
     if s.op == "wait":
         return m.flags[s.rank].get((s.block, s.peer), 0) == 1
     return True
@@ -83,23 +83,23 @@ def execute(m: Machine, s: Step, kind: str, release: bool = True) -> None:
     if s.op == "send":  # compare-and-swap the peer's flag 0 -> 1
         if release:  # release: every store this block issued before is visible first
             drain(m, s.rank, s.block)
-        m.flags[s.peer][(s.block, s.rank)] = 1
+        m.flags[s.target][(s.block, s.rank)] = 1
     elif s.op == "wait":  # acquire: compare-and-swap this rank's flag 1 -> 0
         m.flags[s.rank][(s.block, s.peer)] = 0
     elif s.op == "copy":
-        for i in s.index:
+        for i in s.elements:
             _store(m, s, s.rank, off + i, x[i], weak)
     elif s.op == "reduce" and kind == "one_shot":
-        for i in s.index:
+        for i in s.elements:
             x[i] = sum(_load(m, s, p, off + i) for p in range(world))
     elif s.op == "reduce":  # two-shot: own slice from the input, the peers' from their buffers
-        for i in s.index:
+        for i in s.elements:
             x[i] = sum(x[i] if p == s.rank else _load(m, s, p, off + i) for p in range(world))
     elif s.op == "push":
-        for i in s.index:
-            _store(m, s, s.peer, off + i, x[i], weak)
+        for i in s.elements:
+            _store(m, s, s.target, off + i, x[i], weak)
     elif s.op == "copy_out":
-        for i in s.index:
+        for i in s.elements:
             x[i] = _load(m, s, s.rank, off + i)
     where = f" [{s.index.start}:{s.index.stop})" if s.index is not None else ""
     m.log.append(f"rank {s.rank} block {s.block}: {s.op}"

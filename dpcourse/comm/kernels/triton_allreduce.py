@@ -113,6 +113,23 @@ def one_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel,
 
 
 @triton.jit
+def copy_other_slices(src, dst, numel, slice_len, pid, step,
+                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy block ``pid``'s tiles of every slice but this rank's from ``src`` to ``dst``.
+
+    Two-shot's staging (``x`` -> buffer) and copy-out (buffer -> ``x``): rank
+    ``s`` owns slice ``s`` (``slice_len`` elements, the last one cut at ``numel``).
+    """
+    for start in range(pid * BLOCK, slice_len, step):
+        inner = start + tl.arange(0, BLOCK)
+        for s in tl.static_range(WORLD):
+            if s != RANK:
+                offs = s * slice_len + inner
+                mask = (inner < slice_len) & (offs < numel)
+                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
 def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
                     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                     COPY: tl.constexpr):
@@ -135,14 +152,8 @@ def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
     """
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
-    if COPY:
-        for start in range(pid * BLOCK, slice_len, step):
-            inner = start + tl.arange(0, BLOCK)
-            for s in tl.static_range(WORLD):
-                if s != RANK:
-                    offs = s * slice_len + inner
-                    mask = (inner < slice_len) & (offs < numel)
-                    tl.store(buf + offs, tl.load(x + offs, mask=mask), mask=mask)
+    if COPY:  # (1) stage
+        copy_other_slices(x, buf, numel, slice_len, pid, step, RANK, WORLD, BLOCK)
     block_barrier(pad, pad_deltas, pid, RANK, WORLD)
     for start in range(pid * BLOCK, slice_len, step):
         inner = start + tl.arange(0, BLOCK)
@@ -160,14 +171,8 @@ def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
             if p != RANK:
                 tl.store(buf + peer_delta(buf_deltas, p) + offs, total, mask=mask)
     block_barrier(pad, pad_deltas, pid, RANK, WORLD)
-    if COPY:
-        for start in range(pid * BLOCK, slice_len, step):
-            inner = start + tl.arange(0, BLOCK)
-            for s in tl.static_range(WORLD):
-                if s != RANK:
-                    offs = s * slice_len + inner
-                    mask = (inner < slice_len) & (offs < numel)
-                    tl.store(x + offs, tl.load(buf + offs, mask=mask), mask=mask)
+    if COPY:  # (5) copy out
+        copy_other_slices(buf, x, numel, slice_len, pid, step, RANK, WORLD, BLOCK)
 
 
 def launch_one_shot(x, buf, buf_deltas, pad, pad_deltas, rank, world, grid, block, num_warps,

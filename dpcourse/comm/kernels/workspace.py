@@ -35,6 +35,15 @@ def default_multicast_off() -> None:
         os.environ.setdefault(key, value)
 
 
+def process_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """Return ``group``, or the default group for ``None`` (it must be initialised)."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("the NVLink kernels need a process group: run them on ranks "
+                           "started by dpcourse.run or after dist.init_process_group.")
+    return pg
+
+
 def require_multicast_off() -> None:
     """Set the variables that keep NVLink multicast off where unset; refuse any other value.
 
@@ -68,7 +77,7 @@ class Workspace:
         import torch.distributed._symmetric_memory as symm_mem
 
         require_multicast_off()
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = process_group(group)
         self.nbytes = max(MIN_BYTES, 1 << max(0, int(nbytes) - 1).bit_length())
         self.buffer = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group)
@@ -144,7 +153,7 @@ def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
     ws = _CACHE.get((id(group), device.index))  # fast path: no c10d calls
     if ws is not None and ws.nbytes >= nbytes and (group is None or ws.group is group):
         return ws
-    pg = group if group is not None else dist.group.WORLD
+    pg = process_group(group)
     key = (id(group), device.index)
     ws = _CACHE.get(key)
     if ws is not None and ws.group is not pg:  # a new default group under the same key
@@ -189,7 +198,7 @@ def symmetric_workspace_of(tensor: torch.Tensor, group) -> Workspace | None:
     ws = _SYMMETRIC.get(tensor.data_ptr())
     if ws is None:
         return None
-    pg = group if group is not None else dist.group.WORLD
+    pg = process_group(group)
     if ws.group is not pg or not tensor.is_contiguous():
         return None
     return ws
