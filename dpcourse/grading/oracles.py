@@ -133,3 +133,55 @@ def train_reference(model_fn, seed0: int, batches: list, lr: float) -> dict:
         opt_one.step()
         out["single"]["params"].append([p.detach().clone() for p in single.parameters()])
     return out
+
+
+# -- lesson 14: FSDP's flat layout and the collectives of one step ------------------------------
+def flat_chunk(numel: int, world_size: int) -> int:
+    """Elements per rank of a flat vector of ``numel`` elements padded to a multiple of N."""
+    return -(-numel // world_size)
+
+
+def flat_shard(tensors: list[torch.Tensor], world_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of the tensors concatenated and zero-padded to N x chunk."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    c = flat_chunk(flat.numel(), world_size)
+    padded = torch.zeros(world_size * c, dtype=flat.dtype)
+    padded[:flat.numel()] = flat
+    return padded[rank * c:(rank + 1) * c]
+
+
+def unflatten(shards: list[torch.Tensor], shapes: list) -> list[torch.Tensor]:
+    """The tensors of ``shapes`` rebuilt from every rank's shard (in rank order)."""
+    flat = torch.cat([s.reshape(-1) for s in shards])
+    out, start = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        out.append(flat[start:start + n].reshape(shape))
+        start += n
+    return out
+
+
+def fsdp_step_collectives(units: list[list[tuple[int, bool]]], world_size: int,
+                          element_size: int = 4) -> dict[str, list[list[tuple[str, int]]]]:
+    """What one FSDP training step issues, as groups of ``(op, bytes)`` (order within a group free).
+
+    Args:
+        units: per unit, in forward order, its flats as ``(numel, trainable)``.
+        world_size: ranks ``N``.
+        element_size: bytes per element.
+
+    Returns:
+        ``{"forward": groups, "backward": groups}``: forward all-gathers every flat of every
+        unit, unit by unit; backward, in reverse unit order, all-gathers a unit's flats again
+        and then reduce-scatters each of its trainable flats once. Bytes are those of the
+        ``N x chunk`` buffer (gathered output, scattered input), as CommTrace records them.
+    """
+    def full(numel: int) -> int:
+        return world_size * flat_chunk(numel, world_size) * element_size
+
+    forward = [[("all_gather_into_tensor", full(n)) for n, _ in flats] for flats in units]
+    backward = []
+    for flats in reversed(units):
+        backward.append([("all_gather_into_tensor", full(n)) for n, _ in flats])
+        backward.append([("reduce_scatter_tensor", full(n)) for n, t in flats if t])
+    return {"forward": forward, "backward": [g for g in backward if g]}

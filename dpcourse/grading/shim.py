@@ -24,6 +24,7 @@ from dpcourse.grading import wire
 
 P2P = ("send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier")
+SHARDED = ("all_gather_into_tensor", "reduce_scatter_tensor")  # FSDP's and ZeRO's halves
 
 
 class ReduceOp:
@@ -94,6 +95,22 @@ def _check_tensor(tensor, fn: str):
         raise TypeError(f"{fn} expects a torch.Tensor, got {type(tensor).__name__}")
 
 
+def _check_memory(tensor, fn: str, role: str) -> None:
+    """Refuse a tensor whose memory was released (``untyped_storage().resize_(0)``).
+
+    Reading or writing it would touch memory the process no longer owns and crash
+    the rank; say instead which buffer it was.
+    """
+    if tensor.numel() == 0:
+        return
+    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    if tensor.untyped_storage().nbytes() < (last + 1) * tensor.element_size():
+        raise RuntimeError(
+            f"{fn}: the {role} tensor has no memory (its storage was freed, e.g. with "
+            "untyped_storage().resize_(0)): give it its memory back before a collective reads "
+            "or writes it, and free it only after the collective has finished (after wait()).")
+
+
 def _describe(t: torch.Tensor) -> str:
     return (f"{t.numel()} {str(t.dtype).replace('torch.', '')} elements "
             f"({t.numel() * t.element_size()} bytes)")
@@ -124,7 +141,7 @@ class DistModule(types.ModuleType):
 
     def __getattribute__(self, name):
         allowed = types.ModuleType.__getattribute__(self, "_allowed")
-        if name in P2P + COLLECTIVES and name not in allowed:
+        if name in P2P + COLLECTIVES + SHARDED and name not in allowed:
             return types.ModuleType.__getattribute__(self, "__getattr__")(name)
         return types.ModuleType.__getattribute__(self, name)
 
@@ -209,15 +226,19 @@ class DistModule(types.ModuleType):
         return works
 
     # -- collectives (exercises that allow them) -------------------------------
-    def _collective(self, op: str, tensor, async_op: bool, **extra):
+    def _collective(self, op: str, tensor, async_op: bool, output=None, **extra):
         ident = self._link.new_id()
+        output = tensor if output is None else output
+        if tensor is not None:
+            _check_memory(tensor, op, "input")
         self._link.send(dict({"t": "coll", "op": op, "id": ident, "async": bool(async_op)},
                              **extra), [tensor] if tensor is not None else [])
 
         def deliver(header, tensors):
-            if tensors and tensor is not None:
+            if tensors and output is not None:
+                _check_memory(output, op, "output")  # it may have been freed before wait()
                 with torch.no_grad():
-                    tensor.copy_(tensors[0].reshape(tensor.shape))
+                    output.copy_(tensors[0].reshape(output.shape))
         work = Work(self._link, ident, deliver, op)
         if async_op:
             return work
@@ -240,6 +261,38 @@ class DistModule(types.ModuleType):
 
     def barrier(self, group=None, async_op=False, device_ids=None):
         return self._collective("barrier", None, async_op)
+
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        _check_tensor(output_tensor, "all_gather_into_tensor")
+        _check_tensor(input_tensor, "all_gather_into_tensor")
+        n = self._link.world_size
+        if output_tensor.numel() != n * input_tensor.numel() or \
+                output_tensor.dtype != input_tensor.dtype:
+            raise ValueError(
+                f"all_gather_into_tensor: the output must hold world_size ({n}) x the input, in "
+                f"the input's dtype: got an output of {_describe(output_tensor)} for an input "
+                f"of {_describe(input_tensor)}.")
+        _check_memory(output_tensor, "all_gather_into_tensor", "output")
+        return self._collective("all_gather_into_tensor", input_tensor, async_op,
+                                output=output_tensor)
+
+    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, group=None,
+                              async_op=False):
+        _check_tensor(output, "reduce_scatter_tensor")
+        _check_tensor(input, "reduce_scatter_tensor")
+        name = op if isinstance(op, str) else str(getattr(op, "name", op)).lower()
+        if name != "sum":
+            raise ValueError(f"reduce_scatter_tensor: reduction {op!r} is not supported here; "
+                             "use SUM (and divide by the world size yourself)")
+        n = self._link.world_size
+        if input.numel() != n * output.numel() or input.dtype != output.dtype:
+            raise ValueError(
+                f"reduce_scatter_tensor: the input must hold world_size ({n}) x the output, in "
+                f"the output's dtype: got an input of {_describe(input)} for an output of "
+                f"{_describe(output)}.")
+        _check_memory(output, "reduce_scatter_tensor", "output")
+        return self._collective("reduce_scatter_tensor", input, async_op, output=output,
+                                reduce=name)
 
 
 class TorchView(types.ModuleType):

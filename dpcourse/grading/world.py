@@ -333,6 +333,8 @@ class _Relay:
         op = str(header["op"])
         t = tensors[0] if tensors else None
         nbytes = t.numel() * t.element_size() if t is not None else 0
+        if op == "all_gather_into_tensor":
+            nbytes *= self.ws  # as CommTrace records it: the gathered (output) buffer
         self._log(rank, op=op, nbytes=nbytes, seq=seq, async_op=bool(header.get("async")))
         self.colls[seq][rank] = (header, t)
         if len(self.colls[seq]) < self.ws:
@@ -353,6 +355,17 @@ class _Relay:
             result = _reduce(header.get("reduce", "sum"), [entries[r][1] for r in range(self.ws)])
         elif op == "broadcast":
             result = entries[int(header.get("src", 0))][1]
+        elif op == "all_gather_into_tensor":
+            result = torch.cat([entries[r][1].reshape(-1) for r in range(self.ws)])
+        elif op == "reduce_scatter_tensor":
+            total = _reduce("sum", [entries[r][1].reshape(-1) for r in range(self.ws)])
+            if total.numel() % self.ws:
+                raise wire.ProtocolError("reduce_scatter_tensor of a size not divisible by "
+                                         "the world size")
+            chunks = total.chunk(self.ws)
+            for r, (h, _) in entries.items():
+                self._reply(r, int(h["id"]), chunks[r].clone())
+            return
         else:
             result = None
         for r, (h, _) in entries.items():

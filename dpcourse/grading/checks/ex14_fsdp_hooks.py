@@ -1,0 +1,449 @@
+"""Exercise 14: the hooks of one FSDP unit (gather, free, gather again, reduce-scatter, free).
+
+The learner writes ``UnitHooks(unit, flats, group=None)``, which registers the
+hooks of one unit. The rank builds a three-unit model (``inp``, ``mid``,
+``out``; ``mid`` holds a frozen LayerNorm weight, so it has a trainable and a
+frozen flat), cuts every unit into :class:`~dpcourse.fsdp.flat_params.FlatParams`
+(35, 55 + 7 and 21 elements: none divisible by 2, most not by 3), hands each
+unit to ``UnitHooks`` and trains the shards for 3 steps with SGD (momentum)
+and with AdamW. Once backward returns, the loop frees what is still gathered
+(frozen flats: no gradient says when their backward is over).
+
+The rank's own hooks, registered after the learner's, note at every unit's
+forward start and end, and at its backward start, which flats hold memory and
+what the module computes with; they stop a step, with a message, before torch
+would read freed memory (which would crash the rank). The grader computes one
+process training on the whole batch, the averaged gradient's shards and the
+collectives FSDP issues (:mod:`dpcourse.grading.oracles`), and compares with
+the outputs and with its own record of every collective (the facts CommTrace
+records: op, bytes, order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from dpcourse.grading.checks.base import Exercise, Record, begin, events_of
+from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
+from dpcourse.grading.shim import COLLECTIVES, SHARDED
+
+IN, OUT, BATCH, STEPS = 4, 3, 4, 3
+UNITS = ("inp", "mid", "out")
+RUNS = (("sgd", {"lr": 0.05, "momentum": 0.9}), ("adamw", {"lr": 1e-2, "weight_decay": 0.1}))
+TOL = (0.0, 3e-5)  # the bound tests/test_14_fsdp.py holds lesson 14's FSDP to (fp32)
+
+
+def make_model(seed: int) -> nn.Sequential:
+    """Return the check's model built from ``seed``; ``mid.0.weight`` is frozen (and not ones)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(OrderedDict(
+            inp=nn.Sequential(nn.Linear(IN, 7), nn.Tanh()),
+            mid=nn.Sequential(nn.LayerNorm(7), nn.Linear(7, 6), nn.Tanh()),
+            out=nn.Linear(6, OUT)))
+        with torch.no_grad():
+            model.mid[0].weight.uniform_(0.5, 1.5)
+    model.mid[0].weight.requires_grad_(False)
+    return model
+
+
+def layout() -> list[list[tuple[list[str], list, bool]]]:
+    """Per unit, its flats as ``(parameter names, shapes, trainable)``: trainable first."""
+    model, out = make_model(0), []
+    for u in UNITS:
+        named = list(getattr(model, u).named_parameters())
+        out.append([([f"{u}.{n}" for n, p in named if p.requires_grad == k],
+                     [tuple(p.shape) for _, p in named if p.requires_grad == k], k)
+                    for k in (True, False) if any(p.requires_grad == k for _, p in named)])
+    return out
+
+
+# -- in the rank: the learner's hooks, watched -------------------------------------------------
+class _Stop(Exception):
+    """Raised by the rank's own hooks to end a step before torch reads freed memory."""
+
+
+def _readable(t) -> bool:
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
+
+
+class _Watch:
+    """The rank's own hooks on every unit; each notes what it sees and stops before a crash."""
+
+    def __init__(self, model, flats: dict):
+        self.model, self.flats, self.log = model, flats, []
+        self.stopped, self.criterion = "", ""
+        for k, u in enumerate(UNITS):
+            unit = getattr(model, u)
+            unit.register_forward_pre_hook(lambda m, a, k=k: self._forward_start(k))
+            unit.register_forward_hook(lambda m, a, out, k=k: self._forward_end(k, out))
+
+    def allocated(self) -> list[list[bool]]:
+        return [[f.allocated for f in self.flats[u]] for u in UNITS]
+
+    def _weights(self, k: int, moment: str) -> list:
+        """The tensors unit ``k`` computes with; stop if one holds no memory."""
+        unit, out = getattr(self.model, UNITS[k]), []
+        for f in self.flats[UNITS[k]]:
+            for name, shape in zip(f.names, f.shapes):
+                owner, _, attr = name.rpartition(".")
+                t = getattr(unit.get_submodule(owner), attr, None)
+                if not _readable(t) or tuple(t.shape) != tuple(shape):
+                    what = ("holds no memory (freed)" if isinstance(t, torch.Tensor) and
+                            tuple(t.shape) == tuple(shape) else
+                            f"is {tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}, not a "
+                            f"view of shape {tuple(shape)}")
+                    self.stop(f"when unit '{UNITS[k]}' started its {moment}, "
+                              f"{UNITS[k]}.{name} {what}", f"gathers_before_{moment}")
+                same = f.allocated and t.untyped_storage().data_ptr() == \
+                    f.full.untyped_storage().data_ptr()
+                out.append({"value": t.detach().clone(), "view_of_full": bool(same)})
+        return out
+
+    def stop(self, why: str, criterion: str) -> None:
+        if not self.stopped:
+            self.stopped, self.criterion = why, criterion
+        raise _Stop(why)
+
+    def _forward_start(self, k: int) -> None:
+        self.log.append({"at": "forward_start", "unit": k, "allocated": self.allocated(),
+                         "weights": self._weights(k, "forward")})
+
+    def _forward_end(self, k: int, output) -> None:
+        self.log.append({"at": "forward_end", "unit": k, "allocated": self.allocated()})
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad, k=k: self._backward_start(k))
+
+    def _backward_start(self, k: int) -> None:
+        self.log.append({"at": "backward_start", "unit": k, "allocated": self.allocated(),
+                         "weights": self._weights(k, "backward")})
+
+    def unpack(self, t):
+        """Autograd is about to use a tensor it saved in forward: stop if its memory is gone."""
+        if not _readable(t):
+            self.stop("backward needed a weight saved in forward whose memory was freed (it was "
+                      "not gathered again into the same buffer before its unit's backward)",
+                      "gathers_before_backward")
+        return t
+
+
+def _train(link, cls, inputs: dict, run: int) -> dict:
+    name, kwargs = RUNS[run]
+    ws, rank = link.world_size, link.rank
+    model = make_model(inputs["seed"])
+    from dpcourse.fsdp.flat_params import FlatParams
+
+    begin(link, f"{name}: construction")
+    flats = {u: FlatParams.of_unit(getattr(model, u), ws, rank) for u in UNITS}
+    hooks = [cls(getattr(model, u), flats[u]) for u in UNITS]
+    watch = _Watch(model, flats)
+    shards = [f for u in UNITS for f in flats[u]]
+    trainable = [f.shard for f in shards if f.requires_grad]
+    opt = (torch.optim.SGD if name == "sgd" else torch.optim.AdamW)(trainable, **kwargs)
+    out = {"steps": [], "stopped": "", "stopped_criterion": "", "hooks": len(hooks)}
+    for step, (x, y) in enumerate(inputs["batches"]):
+        watch.log = []
+        rec = {"log": watch.log}
+        out["steps"].append(rec)
+        try:
+            begin(link, f"{name}, step {step}: forward")
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, watch.unpack):
+                loss = nn.functional.mse_loss(model(x), y)
+            begin(link, f"{name}, step {step}: backward")
+            loss.backward()
+        except Exception:  # noqa: BLE001 - ours (to avoid a crash) or the learner's
+            if not watch.stopped:
+                raise
+            out["stopped"], out["stopped_criterion"] = watch.stopped, watch.criterion
+            break
+        begin(link, f"{name}, step {step}: optimizer step")
+        rec["after_backward"] = watch.allocated()
+        for f in shards:  # the loop's end of backward: frozen flats are freed here
+            f.free()
+        rec["grads"] = [None if f.shard.grad is None else f.shard.grad.detach().clone()
+                        for f in shards]
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        rec["shards"] = [f.shard.detach().clone() for f in shards]
+    return out
+
+
+# -- in the grader: the verdicts ----------------------------------------------------------------
+def single_process(seed: int, run: int, batches_per_rank: list) -> dict:
+    """One process on the concatenated batch: parameters before and after each step, gradients."""
+    name, kwargs = RUNS[run]
+    model = make_model(seed)
+    params = dict(model.named_parameters())
+    opt = (torch.optim.SGD if name == "sgd" else torch.optim.AdamW)(
+        [p for p in params.values() if p.requires_grad], **kwargs)
+    out = {"before": [], "grads": [], "after": []}
+    for step in range(STEPS):
+        x = torch.cat([b[step][0] for b in batches_per_rank])
+        y = torch.cat([b[step][1] for b in batches_per_rank])
+        out["before"].append({n: p.detach().clone() for n, p in params.items()})
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        out["grads"].append({n: p.grad.detach().clone() for n, p in params.items()
+                             if p.grad is not None})
+        opt.step()
+        out["after"].append({n: p.detach().clone() for n, p in params.items()})
+    return out
+
+
+def _assemble(outs: list, step: int) -> dict | None:
+    """Every parameter rebuilt from the ranks' shards after ``step`` (None if one is missing)."""
+    from dpcourse.grading import oracles
+
+    if any(step >= len(o["steps"]) or "shards" not in o["steps"][step] for o in outs):
+        return None
+    full = {}
+    for i, (names, shapes, _) in enumerate(f for u in layout() for f in u):
+        try:
+            tensors = oracles.unflatten([o["steps"][step]["shards"][i] for o in outs], shapes)
+        except (RuntimeError, IndexError, TypeError):
+            return None
+        full.update(zip(names, tensors))
+    return full
+
+
+def _describe(group) -> str:
+    return ", ".join(f"{op}({n // 4} elements)" for op, n in group) or "nothing"
+
+
+def _compare_collectives(got: list, groups: list) -> str:
+    """``""`` when ``got`` is the groups one after the other (any order within a group)."""
+    pos = 0
+    for i, group in enumerate(groups):
+        part = got[pos:pos + len(group)]
+        if sorted(part) != sorted(group):
+            before = f" after {_describe([x for g in groups[:i] for x in g][-2:])}" if i else ""
+            return f"expected {_describe(group)}{before}, got {_describe(part)}"
+        pos += len(group)
+    if pos < len(got):
+        return f"expected nothing more, got {_describe(got[pos:pos + 3])}"
+    return ""
+
+
+class FSDPHooks(Exercise):
+    """``UnitHooks(unit, flats, group=None)``: one FSDP unit's gather, free and reduce-scatter."""
+
+    name, exercise, title = "fsdp_hooks", "14", "The hooks of an FSDP unit"
+    defines = (("main", "UnitHooks"),)
+    world_sizes = (2, 3)
+    dist_api = SHARDED + COLLECTIVES
+    dist_why = ("FSDP needs only all_gather_into_tensor and reduce_scatter_tensor (all_reduce, "
+                "broadcast and barrier also exist here).")
+    allowed_imports = {"dpcourse.fsdp.flat_params": {"FlatParams", "gathered"}}
+    timeout = 60.0
+    criteria = (
+        Criterion("gathers_before_forward", "when a unit's forward starts, every parameter of "
+                  "it is a view into its flat's gathered buffer and holds the full weight",
+                  "In the forward pre-hook, all-gather every flat's shard into the buffer "
+                  "flat.allocate() returns, then point the module at views of flat.full: for a "
+                  "trainable flat through gathered(flat, ...), so that autograd reaches the "
+                  "shard; for a frozen one, flat.full itself."),
+        Criterion("frees_after_forward", "when a unit's forward ends, none of its flats holds "
+                  "memory", "Free every flat of the unit in the forward hook (after its "
+                  "forward): the next unit's weights must not add to this one's.",
+                  needs=("gathers_before_forward",)),
+        Criterion("gathers_before_backward", "when a unit's backward starts, its flats are "
+                  "gathered again, into the same buffers autograd saved views of",
+                  "The weights a unit's backward needs were freed after its forward. Register "
+                  "a hook on the unit's output in the forward hook (it runs when the output's "
+                  "gradient is known, just before the unit's backward) and all-gather every "
+                  "flat again there, into flat.allocate(): autograd saved views of flat.full, "
+                  "so a new buffer would not reach them.", weight=2),
+        Criterion("frees_after_backward", "once a unit's gradient is reduce-scattered its "
+                  "trainable flats hold no memory (checked when the next unit's backward "
+                  "starts, and when backward returns)",
+                  "Free the flat in the gradient hook, right after its reduce-scatter: its "
+                  "backward is over, and keeping it would hold every unit's full weights by the "
+                  "end of backward.", needs=("gathers_before_backward",)),
+        Criterion("reduce_scatters_gradients", "at optimizer.step(), each trainable shard's "
+                  ".grad is this rank's chunk of the gradient averaged over the ranks; frozen "
+                  "shards have none",
+                  "The gradient hook receives this rank's gradient of the whole flat: "
+                  "reduce-scatter it so that rank r receives the sum of chunk r, divide by the "
+                  "world size (a ratio equal to the world size means the division is missing), "
+                  "and store it as flat.shard.grad (adding to a gradient already there).",
+                  weight=2),
+        Criterion("collectives_as_fsdp", "each step issues exactly: forward, one all-gather "
+                  "per flat, unit by unit; backward, in reverse unit order, the unit's "
+                  "all-gathers again, then one reduce-scatter per trainable flat; sizes N x "
+                  "chunk", "Gather in the pre-hooks only (every flat of the unit, once), "
+                  "reduce-scatter only in the gradient hook, once per trainable flat. An "
+                  "all-reduce of the gradient moves twice the bytes of a reduce-scatter and "
+                  "leaves every rank the full gradient that sharding is meant to avoid.",
+                  weight=2, needs=("gathers_before_forward",)),
+        Criterion("matches_single_process", "after each of 3 steps (SGD with momentum, and "
+                  "AdamW), the parameters assembled from the ranks' shards equal one process "
+                  "training on the whole batch (the frozen weight unchanged)",
+                  "Check the other criteria first: each names one part of the step.", weight=2),
+        no_delegation("matches_single_process"), no_deadlock("matches_single_process"),
+    )
+    notes = (f"model: units inp (35 elements), mid (55 trainable + 7 frozen), out (21); world "
+             f"sizes 2 and 3; parameters compared with one process to atol={TOL[1]:g}, "
+             f"gradients to (rtol, atol) {tolerance('gloo', torch.float32, 'vs_single')}; fresh "
+             "random seeds and batches on each run",)
+
+    def make_inputs(self, rng, world_size):
+        seed = rng.getrandbits(31)
+        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        return [{"seed": seed, "batches": [(torch.randn(BATCH, IN, generator=gen),
+                                            torch.randn(BATCH, OUT, generator=gen))
+                                           for _ in range(STEPS)]}
+                for _ in range(world_size)]
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        return [_train(link, learner["main"], inputs, run) for run in range(len(RUNS))]
+
+    def judge(self, ws, inputs, outputs, events):
+        recs = []
+        for run in range(len(RUNS)):
+            ref = single_process(inputs[0]["seed"], run, [i["batches"] for i in inputs])
+            outs = [outputs[r][run] for r in range(ws)]
+            # What the shards held when each step began: the gathers are judged against
+            # these, so that a wrong gradient is not blamed on the gathers of the next step.
+            held = [ref["before"][0]] + [_assemble(outs, s) for s in range(STEPS - 1)]
+            for r in range(ws):
+                recs += self._judge_rank(ws, r, run, held, ref, outs[r], events[r])
+            for step in range(STEPS):
+                full = _assemble(outs, step)
+                if full is None:
+                    break
+                bad = next((f"{n}: {m}" for n, t in full.items()
+                            if (m := mismatch(t, ref["after"][step][n], *TOL))), "")
+                recs.append(Record("matches_single_process", not bad, bad,
+                                   f"{RUNS[run][0]}, world size {ws}, after step {step}"))
+        return recs
+
+    def _judge_rank(self, ws, r, run, held, ref, out, events) -> list:
+        from dpcourse.grading import oracles
+
+        name, recs, units = RUNS[run][0], [], layout()
+        tol_g = tolerance("gloo", torch.float32, "vs_single")
+        flats = [f for u in units for f in u]
+        expected = oracles.fsdp_step_collectives(
+            [[(sum(math.prod(s) for s in shapes), k) for _, shapes, k in u] for u in units], ws)
+        construction = [e for e in events_of(events, f"{name}: construction")
+                        if e["op"] not in ("mark", "wait")]
+        if construction:
+            recs.append(Record("collectives_as_fsdp", False, f"rank {r}: UnitHooks(...) issued "
+                               f"{construction[0]['op']} at construction; nothing is gathered "
+                               "before the first forward", name))
+        for step, rec in enumerate(out["steps"]):
+            label = f"{name}, world size {ws}, rank {r}, step {step}"
+            if held[step] is not None:
+                recs += self._forward(rec["log"], units, held[step], label)
+                recs += self._backward(rec, units, held[step], label)
+            last = step == len(out["steps"]) - 1
+            if last and out["stopped"]:
+                recs.append(Record(out["stopped_criterion"], False, out["stopped"], label))
+            for phase in ("forward", "backward"):
+                got = [(e["op"], e["nbytes"]) for e in events_of(
+                    events, f"{name}, step {step}: {phase}") if e["op"] not in ("mark", "wait")]
+                if phase == "backward" and "after_backward" not in rec:
+                    continue  # the step was stopped
+                why = _compare_collectives(got, expected[phase])
+                recs.append(Record("collectives_as_fsdp", not why, f"{phase}: {why}", label))
+            later = [e for e in events_of(events, f"{name}, step {step}: optimizer step")
+                     if e["op"] not in ("mark", "wait")]
+            if later:
+                recs.append(Record("collectives_as_fsdp", False, f"{later[0]['op']} after "
+                                   "backward had returned", label))
+            if "grads" not in rec:
+                continue
+            for (names, _, k), g in zip(flats, rec["grads"]):
+                if not k:
+                    recs.append(Record("reduce_scatters_gradients", g is None, "the frozen "
+                                       "flat's shard has a gradient", label))
+                    continue
+                want = oracles.flat_shard([ref["grads"][step][n] for n in names], ws, r)
+                bad = "no gradient" if g is None else mismatch(g, want, *tol_g)
+                recs.append(Record("reduce_scatters_gradients", not bad,
+                                   f"{names[0].split('.')[0]}'s shard .grad: {bad}", label))
+        if out["stopped"]:
+            recs.append(Record("matches_single_process", False,
+                               f"rank {r}: training stopped in step {len(out['steps']) - 1}"
+                               f": {out['stopped']}", name))
+        return recs
+
+    @staticmethod
+    def _forward(log, units, before, label) -> list:
+        recs = []
+        for e in log:
+            k = e["unit"]
+            unit = UNITS[k]
+            if e["at"] == "forward_start":
+                detail = ""
+                if not all(e["allocated"][k]):
+                    detail = f"unit '{unit}' started its forward with a flat not gathered"
+                else:
+                    names = [n for n, _, _ in units[k]]
+                    for n, w in zip([x for ns in names for x in ns], e["weights"]):
+                        if not w["view_of_full"]:
+                            detail = (f"{n} is not a view into its flat's full buffer (a "
+                                      "copy: freeing the buffer would not free it)")
+                        elif (bad := mismatch(w["value"], before[n], *TOL)):
+                            detail = f"{n} at the start of the forward: {bad}"
+                        if detail:
+                            break
+                recs.append(Record("gathers_before_forward", not detail, detail, label))
+            elif e["at"] == "forward_end":
+                kept = [f"'{UNITS[j]}'" for j, a in enumerate(e["allocated"]) if any(a)]
+                recs.append(Record("frees_after_forward", not kept, f"when unit '{unit}' "
+                                   f"ended its forward, unit(s) {', '.join(kept)} still held "
+                                   "gathered weights", label))
+        return recs
+
+    @staticmethod
+    def _backward(rec, units, before, label) -> list:
+        recs, seen = [], []
+        log = [e for e in rec["log"] if e["at"] == "backward_start"]
+        for e in log:
+            k = e["unit"]
+            seen.append(k)
+            detail = ""
+            if not all(e["allocated"][k]):
+                detail = f"unit '{UNITS[k]}' started its backward with its weights freed"
+            else:
+                names = [x for ns, _, _ in units[k] for x in ns]
+                for n, w in zip(names, e["weights"]):
+                    if (bad := mismatch(w["value"], before[n], *TOL)):
+                        detail = f"{n} at the start of the backward: {bad}"
+                        break
+            recs.append(Record("gathers_before_backward", not detail, detail, label))
+            kept = [f"'{UNITS[j]}'" for j in range(k + 1, len(UNITS))
+                    if any(a and t for a, (_, _, t) in zip(e["allocated"][j], units[j]))]
+            recs.append(Record("frees_after_backward", not kept, f"when unit '{UNITS[k]}' "
+                               f"started its backward, unit(s) {', '.join(kept)} still held "
+                               "gathered trainable weights", label))
+        if "after_backward" in rec:
+            kept = [f"'{UNITS[j]}'" for j, a in enumerate(rec["after_backward"])
+                    if any(x and t for x, (_, _, t) in zip(a, units[j]))]
+            recs.append(Record("frees_after_backward", not kept, "when backward returned, "
+                               f"unit(s) {', '.join(kept)} still held gathered trainable "
+                               "weights", label))
+        return recs
+
+    def explain(self, text):
+        if "SIGSEGV" in text or "SIGBUS" in text:
+            return ("A rank crashed inside torch: it read or wrote a tensor whose memory had "
+                    "been freed. Free a flat only after the last use of its weights, and "
+                    "gather it again (flat.allocate()) before anything reads it.")
+        if "has no memory" in text:
+            return ("A collective touched a freed buffer: call flat.allocate() before gathering "
+                    "into it, and free it only after the collective has finished.")
+        if "not available to graded code" in text:
+            return self.dist_why
+        return ""
