@@ -77,6 +77,74 @@ def test_an_empty_shard_has_a_nan_loss_but_a_zero_gradient_in_torch():
     assert flat_grad(model, x, y).eq(0).all()
 
 
+# -- 02: all-gather of pieces of different lengths -----------------------------------------
+
+def test_uneven_all_gather_solution_passes_every_criterion(solution):
+    sol = solution("02_collectives.ipynb")
+    _assert_all_passed(check("uneven_all_gather", sol.all_gather_uneven, quiet=True))
+
+
+@pytest.mark.parametrize("bug, failed, cause", [
+    (transfer_bugs.gather_own_length_buffers, None, "the sender's number of elements"),
+    (transfer_bugs.gather_own_piece_first, {"rank_order"}, "follow its sender's rank"),
+    (transfer_bugs.gather_in_default_dtype, {"keeps_dtype"}, "default dtype (float32)"),
+    (transfer_bugs.gather_padded, {"uneven_lengths", "empty_piece"},
+     "room reserved for the longest piece")])
+def test_uneven_all_gather_bugs_fail_the_criteria_of_their_cause(bug, failed, cause):
+    result = check("uneven_all_gather", bug, quiet=True)
+    first = result.failed()[0]
+    if failed is None:  # a collective of mismatched sizes stops the round
+        assert first == "uneven_lengths" and result.points == 0
+        assert "disagree on collective" in result.criterion(first).detail
+    else:
+        own = {c.name for c in result.criteria} - {"no_delegation", "no_deadlock",
+                                                   "inputs_unchanged"}
+        assert set(result.failed()) & own - {"rank_order", "keeps_dtype"} == \
+            failed - {"rank_order", "keeps_dtype"}
+        assert failed <= set(result.failed())
+        if "uneven_lengths" not in failed:
+            assert result.points > 5  # the other causes are credited
+    assert cause in result.criterion(first).hint  # the hint names this failure's cause
+
+
+def _gather_with_torch(pieces, fn_source):
+    """Every rank's pieces through torch's all_gather (padded to the longest, then trimmed),
+    and through the solution, on real gloo ranks."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = pieces[rank]
+    longest = max(len(p) for p in pieces)
+    padded = torch.zeros(longest, dtype=mine.dtype)
+    padded[:len(mine)] = mine
+    out = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(out, padded)
+    by_torch = torch.cat([t[:len(p)] for t, p in zip(out, pieces)])
+    scope = {}
+    exec(fn_source, scope)
+    return by_torch, scope["all_gather_uneven"](mine.clone())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_concatenation_the_check_expects_is_torchs_all_gather(world_size):
+    import nbformat
+
+    import dpcourse
+
+    nb = nbformat.read(ROOT / "solutions" / "02_collectives.ipynb", as_version=4)
+    source = "\n\n".join(c.source for c in nb.cells  # the imports and the definition
+                         if c.cell_type == "code" and "check(" not in c.source)
+    g = torch.Generator().manual_seed(world_size)
+    for dtype, lengths in ((torch.float64, [3, 7, 0][:world_size]),
+                           (torch.int64, [5, 1, 9][:world_size])):
+        pieces = [(torch.randn(n, generator=g, dtype=torch.float64) * 2**40).to(dtype)
+                  for n in lengths]
+        for by_torch, by_solution in dpcourse.run(_gather_with_torch, pieces, source,
+                                                  world_size=world_size):
+            assert torch.equal(by_torch, torch.cat(pieces))  # what the check compares with
+            assert torch.equal(by_solution, by_torch) and by_solution.dtype == dtype
+
+
 # -- 03: naive DDP with buffers, unused and frozen parameters ------------------------------
 
 def test_complete_naive_ddp_solution_passes_every_criterion(solution):

@@ -191,7 +191,7 @@ def test_exercises_run_through_and_score_zero(tmp_path):
     _, report = _grade(tmp_path, ROOT / "exercises")
     assert all(nb["status"] == "ok" for nb in report["notebooks"]), report["notebooks"]
     assert {r["check"] for r in report["results"]} == {
-        "mean_gradient", "collective_semantics", "ring_all_reduce", "halving_doubling",
+        "mean_gradient", "uneven_all_gather", "ring_all_reduce", "halving_doubling",
         "naive_ddp", "naive_ddp_complete",
         "assign_buckets", "first_bucket", "overlapped_ddp", "arrival_order", "no_sync",
         "token_weighted", "checkpoint_resume", "ring_cost", "sharded_step", "fsdp_hooks"}

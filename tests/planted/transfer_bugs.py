@@ -327,3 +327,60 @@ def shard_sizes(n, world_size):
     """Correct shard sizes (the ones tensor_split cuts), for the planted mean-gradient bugs."""
     base, extra = divmod(n, world_size)
     return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+# -- 02: all-gather of pieces of different lengths -------------------------------------------
+
+def _lengths(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    lengths = torch.zeros(n, dtype=torch.int64)
+    lengths[rank] = tensor.numel()
+    dist.all_reduce(lengths)
+    return [int(x) for x in lengths]
+
+
+def gather_own_length_buffers(tensor, group=None):
+    """Receives every piece into a buffer shaped like its own tensor."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pieces = []
+    for src in range(n):
+        piece = tensor.clone() if src == rank else torch.empty_like(tensor)  # BUG: own length
+        dist.broadcast(piece, src=src)
+        pieces.append(piece)
+    return torch.cat(pieces)
+
+
+def gather_own_piece_first(tensor, group=None):
+    """Right lengths and buffers, but puts its own piece first."""
+    rank, lengths = dist.get_rank(), _lengths(tensor)
+    mine, others = None, []
+    for src, length in enumerate(lengths):
+        piece = tensor.clone() if src == rank else tensor.new_empty(length)
+        dist.broadcast(piece, src=src)
+        if src == rank:
+            mine = piece
+        else:
+            others.append(piece)
+    return torch.cat([mine] + others)  # BUG: not rank order
+
+
+def gather_in_default_dtype(tensor, group=None):
+    """Writes its piece at its offset into a zero buffer and all-reduces it, in float32."""
+    rank, lengths = dist.get_rank(), _lengths(tensor)
+    out = torch.zeros(sum(lengths))  # BUG: torch's default dtype, not the tensor's
+    start = sum(lengths[:rank])
+    out[start:start + tensor.numel()] = tensor
+    dist.all_reduce(out)
+    return out
+
+
+def gather_padded(tensor, group=None):
+    """Pads every piece to the longest and never trims the padding."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    longest = torch.tensor([tensor.numel()])
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    out = tensor.new_zeros(n * int(longest))
+    start = rank * int(longest)
+    out[start:start + tensor.numel()] = tensor
+    dist.all_reduce(out)
+    return out  # BUG: the padding stays

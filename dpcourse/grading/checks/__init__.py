@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dpcourse.grading.checks.base import Exercise, Record
 from dpcourse.grading.checks.ex01_mean_gradient import MeanGradient
-from dpcourse.grading.checks.ex02_collectives import CollectiveSemantics
+from dpcourse.grading.checks.ex02_collectives import UnevenAllGather
 from dpcourse.grading.checks.ex03_buffers_unused import BuffersUnused
 from dpcourse.grading.checks.ex03_naive_ddp import NaiveDDP
 from dpcourse.grading.checks.ex04_halving_doubling import HalvingDoubling
@@ -26,7 +26,7 @@ from dpcourse.grading.checks.ex09_cost_model import RingCost
 from dpcourse.grading.checks.ex14_fsdp_hooks import FSDPHooks
 
 REGISTRY: dict[str, type[Exercise]] = {c.name: c for c in (
-    CollectiveSemantics, NaiveDDP, RingAllReduce, AssignBuckets, OverlappedDDP, NoSync, RingCost,
+    UnevenAllGather, NaiveDDP, RingAllReduce, AssignBuckets, OverlappedDDP, NoSync, RingCost,
     MeanGradient, BuffersUnused, HalvingDoubling, FirstBucket, ArrivalOrderDDP, TokenWeighted,
     CheckpointResume, FSDPHooks)}
 

@@ -1,88 +1,166 @@
-"""Exercise 02: predict what each collective leaves on every rank (a pure function)."""
+"""Exercise 02: an all-gather of pieces of different lengths, built from all-reduce and broadcast.
+
+Every rank holds a 1-D tensor of its own length (lengths differ between ranks,
+one may be empty) and dtype shared by all ranks. ``all_gather_uneven(tensor,
+group=None)`` must return, on every rank, every rank's tensor concatenated in
+rank order: what ``dist.all_gather`` gives for equal lengths, which torch's
+all-gather cannot do directly for unequal ones. The graded ``torch.distributed``
+offers only the two collectives the lesson showed in use, ``all_reduce`` and
+``broadcast`` (and ``barrier``); the grader delivers them and refuses a
+collective whose tensors differ between ranks, as torch would hang or corrupt
+data. The expected result is the concatenation the grader computes itself.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from dpcourse.grading.checks.base import Exercise, Record, begin
-from dpcourse.grading.criteria import Criterion, mismatch, no_delegation
+from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
+from dpcourse.grading.shim import COLLECTIVES
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-HINTS = (
-    "After all_reduce (SUM) every rank holds the elementwise sum of ALL ranks' inputs: the same "
-    "tensor on every rank, not the mean and not only on rank 0.",
-    "reduce_scatter: sum elementwise over ranks, then cut the sum into N equal blocks; rank r "
-    "keeps block r (its length is len/N).",
-    "all_gather: every rank receives every rank's input, concatenated in rank order: one 1-D "
-    "tensor of length N * len (torch.cat, not torch.stack).",
-    "broadcast from rank 0: every rank ends with a copy of rank 0's input.")
+# (criterion, dtype) of each case; the dtype cases have uneven lengths too.
+CASES = (("uneven_lengths", torch.float32), ("equal_lengths", torch.float32),
+         ("empty_piece", torch.float32), ("keeps_dtype", torch.float64),
+         ("keeps_dtype", torch.int64))
 
 
-class CollectiveSemantics(Exercise):
-    """``simulate_collective(op, inputs) -> outputs``: predict what each rank holds afterwards."""
+def case_lengths(crit: str, world_size: int, rng) -> list[int]:
+    """Each rank's length in a case: equal, one rank empty, else distinct odd lengths."""
+    if crit == "equal_lengths":
+        return [rng.randrange(1, 6)] * world_size
+    lengths = rng.sample(range(1, 12, 2), world_size)
+    if crit == "empty_piece":
+        lengths[rng.randrange(world_size)] = 0
+    return lengths
 
-    name, exercise, title = "collective_semantics", "02", "What collectives produce"
-    defines = (("main", "simulate_collective"),)
-    criteria = tuple(Criterion(f"{op}_matches_torch", f"simulate_collective('{op}', ...) gives "
-                               f"what dist.{op} gives every rank (groups of 2, 3, 4 ranks)", hint,
-                               weight=2)
-                     for op, hint in zip(OPS, HINTS)) + (
-        Criterion("inputs_unchanged", "the inputs are left as they were (a prediction does not "
-                  "modify the ranks' tensors)", "Build new tensors (torch.stack(inputs).sum(0), "
-                  "t.clone()); adding into inputs[0] in place changes rank 0's input.",
-                  needs=("all_reduce_matches_torch",)),
-        no_delegation("all_reduce_matches_torch"))
-    notes = ("compared exactly, with fresh integer-valued inputs on each run",)
+
+def _piece(length: int, dtype: torch.dtype, gen) -> torch.Tensor:
+    if dtype == torch.int64:
+        # beyond float32's 24-bit mantissa: a detour through float32 changes them
+        return torch.randint(2**40, 2**41, (length,), generator=gen)
+    return torch.randn(length, generator=gen, dtype=torch.float64).to(dtype)
+
+
+class UnevenAllGather(Exercise):
+    """``all_gather_uneven(tensor, group=None)``: every rank's tensor, concatenated in rank order."""
+
+    name, exercise, title = "uneven_all_gather", "02", "All-gather of pieces of different lengths"
+    defines = (("main", "all_gather_uneven"),)
+    world_sizes = (2, 3)
+    dist_api = COLLECTIVES
+    dist_why = ("This exercise builds a gather from the collectives of the lesson: the grader's "
+                "process group offers all_reduce, broadcast and barrier.")
+    timeout = 30.0
+    criteria = (
+        Criterion("uneven_lengths", "with lengths that differ between ranks, every rank ends "
+                  "with every rank's elements and nothing else (world sizes 2 and 3)",
+                  "A rank's own tensor tells it nothing about the length of another rank's: "
+                  "what each rank receives, and the result's length, must come from the other "
+                  "ranks before any element moves.", weight=3),
+        Criterion("equal_lengths", "with equal lengths, every rank ends with every rank's "
+                  "elements and nothing else (what dist.all_gather gives)",
+                  "This fails even where every length is the same, so sizes are not the cause: "
+                  "look at which values are missing or repeated on which rank.", weight=2),
+        Criterion("empty_piece", "a rank holding no elements still takes part, and every rank "
+                  "ends with the other ranks' elements",
+                  "A rank holding nothing has no elements to add, but it must still issue every "
+                  "collective the others issue, with the same sizes, or their results go "
+                  "wrong.", weight=2),
+        Criterion("rank_order", "on every rank the pieces sit in rank order (rank 0's first), as "
+                  "dist.all_gather orders them",
+                  "Every element arrived, but on some rank the pieces are arranged differently: "
+                  "a piece's position must follow its sender's rank, whichever rank assembles "
+                  "the result.", weight=2, needs=("uneven_lengths",)),
+        Criterion("keeps_dtype", "float64 and int64 pieces come back in their dtype with every "
+                  "value exact",
+                  "The values were rounded on their way: part of the result passed through "
+                  "torch's default dtype (float32), which keeps 24 bits of mantissa.",
+                  needs=("uneven_lengths",)),
+        Criterion("inputs_unchanged", "the tensor each rank passed in holds its values afterwards",
+                  "A rank's own tensor was overwritten: it served as the buffer of a collective "
+                  "that wrote other ranks' data into it.", needs=("uneven_lengths",)),
+        no_delegation("uneven_lengths"), no_deadlock("uneven_lengths"),
+    )
+    notes = ("compared exactly with the grader's concatenation of every rank's tensor; fresh "
+             "random lengths and values on each run",)
 
     def make_inputs(self, rng, world_size):
         gen = torch.Generator().manual_seed(rng.getrandbits(62))
-        cases = []
-        for op in OPS:
-            for n in (2, 3, 4):
-                k = rng.randrange(1, 5)
-                numel = n * k if op == "reduce_scatter" else rng.randrange(1, 7)
-                cases.append({"op": op, "n": n, "inputs": [
-                    torch.randint(-9, 10, (numel,), generator=gen).float() for _ in range(n)]})
-        return [{"cases": cases}]
+        per_rank = [{"cases": []} for _ in range(world_size)]
+        for crit, dtype in CASES:
+            lengths = case_lengths(crit, world_size, rng)
+            label = f"{str(dtype).replace('torch.', '')}, lengths {lengths}"
+            for r, n in enumerate(lengths):
+                per_rank[r]["cases"].append({"crit": crit, "label": label,
+                                             "tensor": _piece(n, dtype, gen)})
+        return per_rank
 
     @staticmethod
     def rank_run(link, learner, inputs):
-        simulate, out = learner["main"], []
+        gather, out = learner["main"], []
         for case in inputs["cases"]:
-            xs = [t.clone() for t in case["inputs"]]
-            begin(link, f"{case['op']}, {case['n']} ranks")
-            got = simulate(case["op"], xs)
-            if isinstance(got, (list, tuple)):
-                got = [t if isinstance(t, torch.Tensor) else {"type": type(t).__name__}
-                       for t in got]
-            else:
-                got = {"type": type(got).__name__}
-            out.append({"got": got, "after": xs})
+            mine = case["tensor"].clone()
+            begin(link, case["label"])
+            got = gather(mine)
+            out.append({"got": got.detach().clone() if isinstance(got, torch.Tensor)
+                        else type(got).__name__, "after": mine})
         return out
 
     def judge(self, ws, inputs, outputs, events):
-        from dpcourse.grading import oracles
-
         recs = []
-        for case, out in zip(inputs[0]["cases"], outputs[0]):
-            op, n, xs = case["op"], case["n"], case["inputs"]
-            crit, name = f"{op}_matches_torch", f"{n} ranks"
-            want = oracles.collective(op, xs)
-            got = out["got"]
-            if not isinstance(got, list) or len(got) != n:
-                what = got["type"] if isinstance(got, dict) else f"a list of {len(got)}"
-                recs.append(Record(crit, False, f"expected a list of {n} tensors (one per rank), "
-                                   f"got {what}", name))
-                continue
-            bad = []
-            for r in range(n):
-                if not isinstance(got[r], torch.Tensor):
-                    bad.append(f"rank {r}: expected a tensor, got {got[r]['type']}")
-                elif m := mismatch(got[r], want[r], 0, 0):
-                    bad.append(f"rank {r}: {m}")
-            recs.append(Record(crit, not bad, bad[0] if bad else "", name))
-            changed = [r for r in range(n) if mismatch(out["after"][r], xs[r], 0, 0)]
-            recs.append(Record("inputs_unchanged", not changed,
-                               f"simulate_collective('{op}', ...) changed the input of rank(s) "
-                               f"{changed}", name))
+        for k, case in enumerate(inputs[0]["cases"]):
+            pieces = [inputs[r]["cases"][k]["tensor"] for r in range(ws)]
+            label = case["label"]
+            for r in range(ws):
+                got = outputs[r][k]["got"]
+                recs += self._compare(got, pieces, r, case["crit"], label)
+                changed = mismatch(outputs[r][k]["after"], pieces[r], 0, 0)
+                recs.append(Record("inputs_unchanged", not changed,
+                                   f"rank {r}'s tensor afterwards: {changed}", label))
         return recs
+
+    @staticmethod
+    def _compare(got, pieces, rank, crit, label) -> list[Record]:
+        """Judge one rank's result, each failure under the criterion of its cause."""
+        want, lengths = torch.cat(pieces), [len(p) for p in pieces]
+        # a dtype case with the wrong elements fails for that reason, like any other case
+        elements = "uneven_lengths" if crit == "keeps_dtype" else crit
+
+        def fail(name, detail):
+            return [Record(name, False, f"rank {rank} {detail}", label)]
+
+        if not isinstance(got, torch.Tensor):
+            return fail(elements, f"returned {got}, expected a tensor")
+        if got.dim() != 1:
+            return fail(elements, f"returned shape {tuple(got.shape)}, expected a 1-D tensor")
+        if len(got) != len(want):
+            padded = " (the longest length times the world size)" \
+                if len(got) == max(lengths) * len(pieces) else ""
+            return fail(elements, f"returned {len(got)} elements{padded}, expected {len(want)}, "
+                                  f"the sum of the ranks' lengths {lengths}")
+        dtype = Record("keeps_dtype", got.dtype == want.dtype, f"rank {rank} returned "
+                       f"{str(got.dtype)[6:]} for {str(want.dtype)[6:]} pieces", label)
+        g, w = got.double(), want.double()
+        if torch.equal(g, w):
+            return [Record(elements, True, "", label), Record("rank_order", True, "", label),
+                    dtype]
+        if sorted(g.tolist()) == sorted(w.tolist()):
+            return [Record(elements, True, "", label), dtype,
+                    Record("rank_order", False, f"rank {rank} holds every rank's elements, but "
+                           f"not in rank order", label)]
+        if want.dtype != torch.float32 and torch.equal(g, want.float().double()):
+            return [Record(elements, True, "", label), dtype,
+                    Record("keeps_dtype", False, f"rank {rank}'s values are the float32 "
+                           f"roundings of the {str(want.dtype)[6:]} pieces", label)]
+        return fail(elements, f"holds other values: {mismatch(g, w, 0, 0)}")
+
+    def explain(self, text):
+        if "disagree on collective" in text:
+            return ("The ranks passed tensors of different sizes to one collective: in a "
+                    "broadcast every rank, sender and receivers alike, must pass a tensor of the "
+                    "sender's number of elements and dtype, and in an all-reduce all ranks the "
+                    "same.")
+        if "longest length times" in text:
+            return "The result still carries the room reserved for the longest piece."
+        return ""
