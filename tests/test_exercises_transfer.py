@@ -364,8 +364,11 @@ def test_accumulation_bugs_fail_only_the_criteria_of_their_cause(bug, failed):
     own = {c.name for c in result.criteria} - {"no_delegation", "no_deadlock"}
     assert set(result.failed()) & own == failed
     shown = [c.hint for c in result.criteria if not c.passed and c.hint]
-    if "weights_within_rank" not in failed:  # a misplaced zero_grad is not a weighting hint
-        assert not any("share of the rows" in hint for hint in shown)
+    weighting = any("the same say as a 6-row one" in hint for hint in shown)
+    assert weighting == ("weights_within_rank" in failed)  # a misplaced zero_grad is not one
+    if "zero_grad_once_per_step" in failed:  # the hint names the cause, not a recipe
+        hint = result.criterion("zero_grad_once_per_step").hint
+        assert "erased" in hint and "zero_grad" not in hint
 
 
 # -- 08: rank-0 checkpoint and exact resume --------------------------------------------------

@@ -133,6 +133,7 @@ def test_naive_ddp_planted_bugs(tmp_path):
     no_divide = check("naive_ddp", ddp_bugs.NaiveNoDivide, quiet=True)
     assert "grads_averaged" in _failed(no_divide)
     assert "ratio 2" in no_divide.criterion("grads_averaged").detail  # the sum over 2 ranks
+    assert "summed but not averaged" in no_divide.criterion("grads_averaged").hint  # its cause
     assert no_divide.criterion("initial_broadcast").passed
     assert 0 < no_divide.points < 2
     no_broadcast = check("naive_ddp", ddp_bugs.NaiveNoBroadcast, quiet=True)
@@ -158,9 +159,14 @@ def test_pure_planted_bugs_fail_their_criteria():
     elements = check("assign_buckets", pure_bugs.assign_buckets_elements, quiet=True)
     assert _failed(elements) == {"counts_bytes_not_elements"}
     strict = check("assign_buckets", pure_bugs.assign_buckets_strict, quiet=True)
-    assert "compare with >=, not >" in strict.criterion("closes_at_cap").detail
+    assert "reached exactly the cap stayed open" in strict.criterion("closes_at_cap").detail
+    assert "reached the cap exactly stayed open" in strict.criterion("closes_at_cap").hint
+    assert "backward produces gradients from the last layer" in \
+        forward.criterion("reverse_order").hint
+    assert "counted in elements" in elements.criterion("counts_bytes_not_elements").hint
     no_latency = check("ring_cost", pure_bugs.ring_time_no_latency, quiet=True)
     assert "latency_term" in _failed(no_latency)
+    assert "one after another" in no_latency.criterion("latency_term").hint
 
 
 # -- notebooks through dpcourse grade ---------------------------------------------------------
@@ -286,6 +292,19 @@ def test_scan_refuses_escape_hatches_and_accepts_the_solutions():
             names = getattr(spec, "roles", None) or _check_call_names(cells, sources, spec.name)
             assert policy_findings(cells, list(names.values()),
                                    getattr(spec, "allowed_imports", {})) == [], (path, spec.name)
+
+
+def test_hints_name_causes_without_handing_over_code():
+    """A hint says what the failure shows and why; the code and the formula stay the learner's."""
+    import re
+
+    from dpcourse.grading.checks import REGISTRY
+
+    code = re.compile(r"\w\(|\s=\s|%|\*\*|>=|\bdist\.\w|\.\w+\(")
+    for name, cls in REGISTRY.items():
+        for c in cls.criteria:
+            assert c.hint, (name, c.name)
+            assert not code.search(c.hint.replace("no_sync()", "")), (name, c.name, c.hint)
 
 
 def test_extract_keeps_definitions_at_their_lines_and_drops_calls():

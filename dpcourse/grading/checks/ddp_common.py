@@ -24,25 +24,26 @@ LR = 0.05
 
 C_BROADCAST = Criterion(
     "initial_broadcast", "after construction every rank holds rank 0's parameters",
-    "Every rank builds its model from its own random seed. In __init__, copy rank 0's values "
-    "into every replica: dist.broadcast(p.data, src=0) for each parameter (and buffer).")
+    "The replicas differ right after construction: each rank built its model from its own "
+    "random seed, and nothing made the other ranks' values equal to rank 0's.")
 C_AVERAGED = Criterion(
     "grads_averaged", "after backward + sync, param.grad equals DDP's gradient (the mean over "
-    "ranks)", "dist.all_reduce sums; DDP averages. Divide every gradient by world_size (before "
-    "or after the sum). A ratio equal to the world size in the message means the divide is "
-    "missing.", weight=2)
+    "ranks)", "The gradient is off by the ratio in the message. A ratio equal to the world size "
+    "means every rank's contribution was summed but not averaged; a ratio of 1 / N, that a mean "
+    "was taken twice.", weight=2)
 C_DDP = Criterion(
     "matches_torch_ddp", "parameters after each of 3 SGD steps equal what torch DDP computes",
     "Check the other criteria first: a missing broadcast or a wrong average both show up here.",
     weight=3)
 C_SINGLE = Criterion(
     "matches_single_process", "parameters after 3 steps equal one process training on the whole "
-    "global batch", "Data parallelism is exact: the mean of the ranks' mean-loss gradients is "
-    "the gradient of the global mean loss.", weight=2)
+    "global batch", "With equal shards, one process on the whole batch takes exactly DDP's "
+    "steps, so a drift from it means the ranks' gradients were not combined into their mean "
+    "before the update.", weight=2)
 NONE_GRAD_HINT = (
     "p.grad is None inside your hook: a hook registered with register_hook runs before the "
-    "gradient is accumulated into p.grad (it receives the gradient as its argument). Use "
-    "p.register_post_accumulate_grad_hook(hook), which runs once p.grad is set.")
+    "gradient is accumulated into p.grad (it receives the gradient as its argument), so it "
+    "fired too early to read p.grad; lesson 06 names the kind of hook that runs after.")
 
 
 def tolerance_note() -> str:

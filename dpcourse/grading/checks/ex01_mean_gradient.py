@@ -51,8 +51,9 @@ class MeanGradient(Exercise):
     timeout = 30.0
     criteria = (
         Criterion("equal_shards", "with equal shards, every rank gets the full-batch gradient",
-                  "The ranks must combine their gradients with a collective; the result must "
-                  "be the mean loss's gradient, not a sum over ranks.", weight=2),
+                  "Even with equal shards the result is off: a ratio of N in the message means "
+                  "the ranks' gradients were summed where the mean loss needs their mean; other "
+                  "values mean a rank kept its own gradient.", weight=2),
         Criterion("uneven_shards", "with shards one example apart (n not a multiple of N), "
                   "every rank gets the full-batch gradient",
                   "Each shard's gradient is that of its own mean: a mean over a larger shard "
@@ -70,7 +71,7 @@ class MeanGradient(Exercise):
         Criterion("shard_sizes_like_tensor_split", "shard_sizes(n, N) gives the sizes "
                   "tensor_split gives, n = 0 to 13 and N = 1 to 5",
                   "Sizes differ by at most one and add up to n; which shards get the extra "
-                  "example? Print torch.arange(n).tensor_split(N) for a few n and look.",
+                  "example? Print what torch's tensor_split gives for a few n and look.",
                   requires="shard_sizes"),
         no_delegation("equal_shards"), no_deadlock("equal_shards"),
     )

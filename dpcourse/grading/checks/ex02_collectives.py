@@ -43,7 +43,7 @@ def _piece(length: int, dtype: torch.dtype, gen) -> torch.Tensor:
 
 
 class UnevenAllGather(Exercise):
-    """``all_gather_uneven(tensor, group=None)``: every rank's tensor, concatenated in rank order."""
+    """``all_gather_uneven(tensor, group=None)``: every rank's tensor, in rank order."""
 
     name, exercise, title = "uneven_all_gather", "02", "All-gather of pieces of different lengths"
     defines = (("main", "all_gather_uneven"),)

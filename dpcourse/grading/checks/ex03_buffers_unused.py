@@ -123,28 +123,32 @@ class BuffersUnused(Exercise):
     timeout = 45.0
     criteria = (
         Criterion("initial_broadcast", "after construction every rank holds rank 0's parameters "
-                  "and buffers", "The ranks start from different parameters and different batch "
-                  "norm statistics: broadcast every parameter and every buffer "
-                  "(module.buffers()) from rank 0."),
+                  "and buffers", "The ranks differ right after construction: each started from "
+                  "its own parameters and batch-norm statistics, and the statistics are buffers, "
+                  "not parameters, so a copy of the parameters alone leaves them apart."),
         Criterion("buffers_follow_rank_0", "after each step the buffers equal torch DDP's on "
-                  "the same rank", "Each rank updates the running statistics from its own shard, "
-                  "so they drift apart; torch DDP copies rank 0's buffers to every rank at the "
-                  "start of every forward. Do that in forward().", weight=2),
+                  "the same rank", "The running statistics differ from torch DDP's after a "
+                  "step: each rank updates them from its own shard, so they drift apart unless "
+                  "they are made equal again, at the point in every step where torch DDP does "
+                  "it.", weight=2),
         Criterion("grads_averaged", "every gradient equals torch DDP's (the mean over ranks)",
-                  "All-reduce (sum) every gradient and divide by the world size."),
+                  "The gradient is off by the ratio in the message: a ratio equal to the world "
+                  "size means every rank's contribution was summed but not averaged."),
         Criterion("partly_used_parameter", "a parameter used on some ranks only gets the mean "
                   "over all ranks, zeros counted for the others, on every rank",
                   "A rank on which a layer was unused has p.grad None, yet its peers all-reduce "
                   "that layer: every rank must take part in the same all-reduces, in the same "
-                  "order. Contribute zeros where you have no gradient.", weight=2),
+                  "order, and a rank that skips one leaves its peers' mean wrong or waiting.",
+                  weight=2),
         Criterion("unused_parameter_keeps_no_grad", "a parameter no rank used keeps grad None, "
-                  "as with torch DDP", "Only you can tell that no rank used a parameter: the "
-                  "ranks have to agree on it (e.g. all-reduce a flag per parameter) before "
-                  "deciding. A zero gradient is not the same as none: optimizers with momentum "
-                  "or weight decay would still move the parameter.", weight=2),
+                  "as with torch DDP", "A parameter no rank used got a gradient (zeros): a rank "
+                  "sees only its own use, and decided without the others. A zero gradient is "
+                  "not the same as none: optimizers with momentum or weight decay would still "
+                  "move the parameter.", weight=2),
         Criterion("frozen_parameter_untouched", "a parameter with requires_grad=False gets no "
-                  "gradient and stays rank 0's value", "Skip parameters that do not require "
-                  "gradients in the synchronisation (they are broadcast once, like the others)."),
+                  "gradient and stays rank 0's value", "The frozen parameter got a gradient or "
+                  "moved: the synchronisation treated a parameter that requires no gradient like "
+                  "a trained one."),
         Criterion("matches_torch_ddp", "parameters after each of 3 SGD steps equal torch DDP's",
                   "Check the other criteria first: each names one cause of a difference.",
                   weight=2),

@@ -18,8 +18,8 @@ class NaiveDDP(Exercise):
     timeout = 45.0
     criteria = (d.C_DDP, d.C_BROADCAST, d.C_AVERAGED, d.C_SINGLE, Criterion(
         "one_all_reduce_per_parameter", "each step all-reduces every parameter's gradient once",
-        "Loop over the trainable parameters and call dist.all_reduce(p.grad) once for each, in "
-        "finish_gradient_synchronization().", needs=(d.C_AVERAGED.name,)),
+        "The number of all-reduces per step differs from the number of trainable parameters: "
+        "some gradient was all-reduced twice, or not at all.", needs=(d.C_AVERAGED.name,)),
         no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name))
     notes = (d.tolerance_note(),)
 

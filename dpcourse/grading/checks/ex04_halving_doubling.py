@@ -71,27 +71,29 @@ class HalvingDoubling(Exercise):
                   "the same half on every step. If the values are N times off, something is "
                   "added twice or averaged.", weight=3),
         Criterion("awkward_lengths", "also works for lengths 0, 1, fewer than N and odd lengths",
-                  "A half of an odd-length region is one element longer than the other, and a "
-                  "half may be empty: compute the cut from the region's bounds on both sides "
-                  "and skip empty messages on both sides.", weight=2),
+                  "Only odd or tiny lengths fail: the two partners cut a region at different "
+                  "points (its halves differ by one element), or one side skips an empty half "
+                  "that the other still sends or expects.", weight=2),
         Criterion("in_place", "updates the tensor it is given, any shape",
-                  "Work on tensor.view(-1) and write the sums into it; don't return a new "
-                  "tensor.", needs=(MATCH,)),
+                  "The tensor you were given still holds its old values: the sums went into a "
+                  "new tensor (a copy, not a view of the given one), which the caller never "
+                  "sees.", needs=(MATCH,)),
         Criterion("log_rounds", "no rank sends more than 2 log2 N messages (one more when N is "
                   "not a power of two): 4 on 4 ranks where a ring sends 6",
-                  "Each round must halve the work left: pair rank r with a rank a power of two "
-                  "away, so that log2 N rounds reach everyone. A ring passes through N - 1 "
-                  "neighbours per phase.", weight=2, needs=(MATCH,)),
+                  "A rank sent more messages than log2 N rounds allow: its partners are chosen "
+                  "so that what a rank knows reaches one more rank per round, as in a ring, "
+                  "instead of doubling the ranks it has heard from every round.", weight=2,
+                  needs=(MATCH,)),
         Criterion("bandwidth_power_of_two", "on 4 ranks each rank sends 2 (N - 1) / N of the "
                   "tensor's bytes, no more than a ring",
-                  "Swapping the whole tensor every round costs log2 N full copies. Send only "
-                  "the half your partner keeps, so the messages shrink 1/2, 1/4, ...; then "
-                  "send the finished parts back the same way, growing.", needs=(MATCH,)),
+                  "A rank sent more bytes than a ring: every round carried the whole tensor, "
+                  "log2 N full copies, although after each round a pair has less left to "
+                  "reduce than before.", needs=(MATCH,)),
         Criterion("bounded_bytes_other_sizes", "on 3 and 5 ranks no rank sends more than the "
                   "largest power of two below N would need, plus one copy of the tensor",
-                  "The ranks beyond a power of two can hand their whole tensor to a partner "
-                  "once at the start and get the result once at the end; don't make every rank "
-                  "pay for them.", needs=(MATCH,)),
+                  "With N not a power of two some rank sent far more than the power of two "
+                  "below N needs: the extra ranks took part in every round, and every rank paid "
+                  "for them.", needs=(MATCH,)),
         no_delegation(MATCH), no_deadlock(MATCH),
     )
     notes = (f"tolerances (rtol, atol): float32 {tolerance('gloo', torch.float32, 'collective')}, "

@@ -52,39 +52,41 @@ class RingAllReduce(Exercise):
     criteria = (
         Criterion(MATCH, "leaves the same sum as dist.all_reduce on every rank (world sizes 2, 3, "
                   "4; float32, float64, bfloat16; 1-D and 2-D)",
-                  "If some chunks are right and others wrong, look at the chunk indices: in "
-                  "reduce-scatter step s rank r sends chunk (r - s - 1) % N and receives chunk "
-                  "(r - s - 2) % N, adding it to its own copy; in all-gather step s it sends "
-                  "(r - s) % N and receives (r - s - 1) % N, overwriting. If every value is N "
-                  "times too small or large, you averaged or summed twice.", weight=4),
+                  "Some chunks right and others wrong means a rank added or copied a chunk "
+                  "into the wrong place: the chunk it sends at a step is not the one its "
+                  "neighbour expects to receive then. Every value N times too small or large "
+                  "means the sum was averaged, or a contribution was added twice.", weight=4),
         Criterion("awkward_lengths", "also works for lengths 0, 1, fewer than the world size "
                   "and not divisible by it",
-                  "Cut the flat tensor into N chunks whose sizes differ by at most one (the first "
-                  "numel % N chunks get one extra element); some chunks may be empty. Skip "
-                  "sending/receiving empty chunks on both sides, and return early for numel 0.",
-                  weight=2),
+                  "Only lengths that N does not divide fail: the two sides of a message cut the "
+                  "tensor differently, or a chunk of length 0 is sent on one side and not "
+                  "received on the other.", weight=2),
         Criterion("in_place", "updates the tensor it is given (like dist.all_reduce), any shape",
-                  "Work on tensor.view(-1) (a view shares memory) and write results into it; "
-                  "don't build a new tensor and return it.", needs=(MATCH,)),
+                  "The tensor you were given still holds its old values: the sum was written "
+                  "into a new tensor (a copy, not a view of the given one), which the caller "
+                  "never sees.", needs=(MATCH,)),
         Criterion("ring_neighbours_only", "rank r only sends to r + 1 and receives from r - 1",
-                  "In a ring each rank talks to two neighbours: dst = (rank + 1) % N, "
-                  "src = (rank - 1) % N.", needs=(MATCH,)),
-        Criterion("bandwidth_optimal", "each rank sends 2 (N - 1) / N of the tensor's bytes",
-                  "Send one chunk (numel / N elements) per step, N - 1 steps per phase. Sending "
-                  "the whole tensor, or gathering everything on one rank, sends more.",
+                  "A rank exchanged messages with a rank that is not its neighbour in the ring "
+                  "(the wrap-around from the last rank to rank 0 included).", needs=(MATCH,)),
+        Criterion("bandwidth_optimal", "each rank sends exactly what the ring's steps carry, "
+                  "one chunk per message",
+                  "A rank sent more bytes than the ring needs: its messages carried more than "
+                  "one chunk, or the data went through one rank that collected everything.",
                   weight=2, needs=(MATCH,)),
         Criterion("chunk_bounds_correct", "chunk_bounds(numel, world_size, index) cuts like the "
                   "lesson: sizes differ by at most one, the first numel % N chunks are longer",
-                  "base, extra = divmod(numel, world_size); chunk i starts at "
-                  "i * base + min(i, extra) and has base + (1 if i < extra else 0) elements.",
-                  requires="chunk_bounds"),
+                  "Your bounds leave a gap or an overlap, or give the extra elements to other "
+                  "chunks than the first: compare your chunks with torch.tensor_split's for a "
+                  "length N does not divide.", requires="chunk_bounds"),
         Criterion("reduce_scatter_owns_chunk_r", "after ring_reduce_scatter, chunk r on rank r "
-                  "holds the sum over all ranks", "After N - 1 steps the chunk rank r received "
-                  "last must be chunk r: receive chunk (r - s - 2) % N at step s.",
+                  "holds the sum over all ranks", "The fully summed chunk ends on the wrong "
+                  "rank: the chunk a rank receives at the last step is not its own chunk r, so "
+                  "the order in which it sends chunks starts at the wrong index.",
                   requires="reduce_scatter"),
         Criterion("all_gather_copies_chunks", "ring_all_gather copies each rank's chunk r to every "
-                  "rank", "Start by sending your own chunk r (step 0 sends (r - s) % N) and "
-                  "overwrite (copy_) the received chunk, don't add.", requires="all_gather"),
+                  "rank", "Chunks that were already complete changed: a received chunk was "
+                  "added to the local copy instead of replacing it, or a rank passed on a chunk "
+                  "it did not yet hold complete.", requires="all_gather"),
         no_delegation(MATCH),
         no_deadlock(MATCH),
     )
@@ -239,8 +241,9 @@ class RingAllReduce(Exercise):
 
     def explain(self, text: str) -> str:
         if "into a buffer of" in text:
-            return ("A receive buffer must match what its peer sends: allocate it with "
-                    "torch.empty_like(chunk) (same dtype), not torch.empty(n).")
+            return ("The receive buffer differs from what the peer sends in dtype or length: "
+                    "a buffer made in torch's default dtype (float32) cannot take another "
+                    "dtype's chunk.")
         if "is not available to graded code" in text:
             return self.dist_why
         return ""

@@ -18,20 +18,24 @@ class AssignBuckets(Exercise):
     defines = (("main", "assign_buckets"),)
     criteria = (
         Criterion("closes_at_cap", "a bucket closes as soon as it holds at least bucket_cap_mb "
-                  "MiB (also exactly at the cap)", "Add the parameter first, then close the "
-                  "bucket when its size in bytes is >= bucket_cap_mb * 2**20; keep the last, "
-                  "partly filled bucket too.", weight=3),
+                  "MiB (also exactly at the cap)", "A bucket closed one parameter early or "
+                  "late: the size was compared before the parameter joined it, or a bucket that "
+                  "reached the cap exactly stayed open.", weight=3),
         Criterion("reverse_order", "parameters are taken last to first (the order backward "
-                  "produces their gradients)", "Iterate over reversed(range(len(params))): the "
-                  "last layer's gradients are ready first, so they go in the first bucket.",
+                  "produces their gradients)", "The first bucket holds the first layers: "
+                  "backward produces gradients from the last layer to the first, so buckets "
+                  "filled in registration order are the last to complete.",
                   needs=("covers_each_param_once",)),
         Criterion("covers_each_param_once", "every parameter is in exactly one bucket",
-                  "Add every index exactly once; keep the last, partly filled bucket too."),
+                  "An index is missing or appears twice: most often the last, partly filled "
+                  "bucket was dropped when the loop ended."),
         Criterion("cap_zero_one_per_param", "bucket_cap_mb=0 gives one bucket per parameter",
-                  "With a cap of 0 bytes every bucket is full after its first parameter."),
+                  "With a cap of 0 a bucket held several parameters: a bucket already at the "
+                  "cap was left open for the next one."),
         Criterion("counts_bytes_not_elements", "sizes are counted in bytes (float16 and float64 "
-                  "models)", "Use p.numel() * p.element_size(): a float64 gradient takes twice "
-                  "the bytes of a float32 one, a float16 gradient half.", weight=2),
+                  "models)", "Only the float16 and float64 models fail: sizes were counted in "
+                  "elements, but the cap is in bytes, and an element's bytes depend on the "
+                  "dtype.", weight=2),
         no_delegation("closes_at_cap"),
     )
     allowed_imports: dict = {}
@@ -93,7 +97,7 @@ class AssignBuckets(Exercise):
                                f"0..{len(nbytes) - 1}", name))
             detail = f"got {got}, expected {want}"
             if got != want and got == oracles.buckets(nbytes, case["cap"], strict=True):
-                detail += (" (a bucket that reaches exactly the cap must close: compare with >=,"
-                           " not >)")
+                detail += (" (the bucket that reached exactly the cap stayed open: yours "
+                           "close only above it)")
             recs.append(Record(case["crit"], got == want, detail, name))
         return recs

@@ -61,16 +61,18 @@ class FirstBucket(Exercise):
                   "early.", weight=2),
         Criterion("later_buckets_use_cap", "every bucket after the first closes at bucket_cap_mb "
                   "(checked from wherever your first bucket ended)",
-                  "Once the first bucket is closed, continue exactly as in part 1 with "
-                  "bucket_cap_mb: the small cap applies to one bucket only.", weight=2),
+                  "The first bucket is right but later ones close at the wrong place: they were "
+                  "cut with the small cap too, or with a cap that counts the first bucket's "
+                  "bytes.", weight=2),
         Criterion("frozen_left_out", "parameters with requires_grad=False are in no bucket; "
                   "every other index is in exactly one",
-                  "A frozen parameter never gets a gradient, so no hook would ever complete its "
-                  "bucket: leave it out, but keep the indices of the list you were given (don't "
-                  "renumber after filtering)."),
+                  "A frozen parameter is in a bucket, or the indices are shifted: a frozen "
+                  "parameter never gets a gradient, so no hook would ever complete its bucket, "
+                  "and the indices refer to the list you were given, frozen ones included."),
         Criterion("matches_torch_rule", "the whole assignment equals torch DDP's (float32, "
                   "float64, frozen parameters, first_bucket_mb = 0)",
-                  "Check the other criteria first; sizes are bytes (numel * element_size).",
+                  "Check the other criteria first; each names one cause. Sizes count bytes, "
+                  "not elements.",
                   weight=2),
         no_delegation("matches_torch_rule"),
     )

@@ -75,25 +75,27 @@ class ArrivalOrderDDP(Exercise):
     timeout = 45.0
     criteria = (
         Criterion("matches_torch_ddp", "parameters after each of 3 SGD steps equal what torch "
-                  "DDP computes, the first step included", "Every step must average every "
-                  "gradient, the first one too (while you are still learning the order): "
-                  "all-reduce, divide by the world size, write back into param.grad.", weight=3),
+                  "DDP computes, the first step included", "Some step's gradients are not "
+                  "torch DDP's mean over ranks: a gradient was left unsynchronised or summed "
+                  "without averaging, the first step (while the order is still being learned) "
+                  "included.", weight=3),
         Criterion("matches_single_process", "parameters after 3 steps equal one process "
                   "training on the whole global batch", "Check matches_torch_ddp first."),
         Criterion("buckets_follow_arrival", "from the second step on, the all-reduces carry the "
                   "buckets of the arrival order (caps 700 B and 0), issued in that order",
-                  "Registration order is not the order gradients arrive in this model. Record "
-                  "the order your hook is called in during the first backward, and build the "
-                  "buckets from that order before the second backward.", weight=3),
+                  "The buckets follow registration order, which is not the order gradients "
+                  "arrive in this model: those buckets complete only when their last-arriving "
+                  "gradient does, late and out of turn.", weight=3),
         Criterion("starts_during_backward", "from the second step on, the first all-reduce "
                   "starts before backward reaches the first layer",
-                  "Launch a bucket from the hook of the gradient that completes it, as soon as "
-                  "it is complete, not from finish_gradient_synchronization().",
+                  "The first all-reduce started only after backward: buckets were launched at "
+                  "the sync point, not when their last gradient arrived.",
                   needs=("buckets_follow_arrival",)),
         Criterion("no_serialising_wait", "from the second step on, every bucket is issued "
                   "(async_op=True) before the first wait",
-                  "Keep the work handles and wait in finish_gradient_synchronization(); waiting "
-                  "in the hook stalls backward.", needs=("buckets_follow_arrival",)),
+                  "A wait came before every bucket was in flight: waiting (or a blocking "
+                  "all-reduce) during backward stalls it until that bucket's communication is "
+                  "done.", needs=("buckets_follow_arrival",)),
         no_delegation("matches_torch_ddp"), no_deadlock("matches_torch_ddp"),
     )
     notes = (d.tolerance_note(),)

@@ -24,22 +24,25 @@ class OverlappedDDP(Exercise):
     criteria = (d.C_DDP, d.C_BROADCAST, d.C_AVERAGED, d.C_SINGLE,
                 Criterion("one_all_reduce_per_bucket", "each step issues exactly one all-reduce "
                           "per bucket (bucket_cap_mb = 500 bytes and 0)",
-                          "Flatten each bucket's gradients into one buffer and all-reduce the "
-                          "buffer once, when the bucket's last gradient arrives."),
+                          "The number of all-reduces differs from the number of buckets: a "
+                          "bucket's gradients went out one parameter at a time, or a bucket "
+                          "went out more than once in a step."),
                 Criterion("buckets_in_reverse_order", "buckets follow DDP's rule (reverse "
                           "parameter order, close at the cap) and go out in the order they fill",
-                          "Gradients arrive last layer first: assign buckets from the last "
-                          "parameter to the first, and launch each bucket as soon as it is full."),
+                          "The all-reduces went out in another order than the buckets fill: "
+                          "backward produces the last layer's gradients first, so buckets "
+                          "built or launched in registration order wait for the end of "
+                          "backward."),
                 Criterion("starts_during_backward", "the first all-reduce of a step starts "
                           "before backward reaches the first layer",
-                          "Launch a bucket's all-reduce from the gradient hook "
-                          "(register_post_accumulate_grad_hook) of its last parameter, not after "
-                          "loss.backward() returns.", weight=2),
+                          "The first all-reduce started only when backward was over: nothing "
+                          "launched communication while gradients were still being computed, "
+                          "so there was nothing to overlap.", weight=2),
                 Criterion("no_serialising_wait", "every bucket's all-reduce is issued "
-                          "(async_op=True) before the first wait", "Keep the work handles and "
-                          "wait for them all in finish_gradient_synchronization(); a wait (or a "
-                          "blocking all-reduce) inside the hook stalls backward until the "
-                          "communication is done, which is exactly what overlap avoids.",
+                          "(async_op=True) before the first wait", "A wait came before every "
+                          "bucket was in flight: a wait (or a blocking all-reduce) during "
+                          "backward stalls it until that bucket's communication is done, which "
+                          "is exactly what overlap avoids.",
                           needs=("one_all_reduce_per_bucket",)),
                 no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name))
     notes = (d.tolerance_note(),)

@@ -26,12 +26,14 @@ class NoSync(Exercise):
     criteria = (
         d.C_DDP, d.C_SINGLE,
         Criterion("no_collective_inside_no_sync", "no all-reduce is issued inside no_sync()",
-                  "Inside no_sync() the hooks must not communicate: set a flag (e.g. "
-                  "self.require_backward_grad_sync = False) in no_sync and check it in the hook; "
-                  "restore it in a finally block.", weight=2, needs=(d.C_DDP.name,)),
+                  "An all-reduce ran during a backward inside no_sync(): the hooks communicate "
+                  "whatever context they run in, so nothing they read tells them that "
+                  "synchronisation is off (or it stayed off after the context ended).",
+                  weight=2, needs=(d.C_DDP.name,)),
         Criterion("syncs_once_per_step", "each gradient is all-reduced exactly once per "
-                  "optimizer step (on the last micro-batch)", "Run every micro-batch but the "
-                  "last inside model.no_sync(); the last backward syncs the accumulated sum.",
+                  "optimizer step (on the last micro-batch)", "Gradients were all-reduced more "
+                  "or less often than once per step: every backward run outside no_sync() "
+                  "synchronises, and the count says how many of yours ran outside it.",
                   weight=2),
         no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name),
     )

@@ -104,24 +104,24 @@ class TokenWeighted(Exercise):
     criteria = (
         Criterion("zero_grad_once_per_step", "each step starts from empty gradients and keeps "
                   "every micro-batch's gradient until optimizer.step()",
-                  "Zero the gradients once per optimizer step: before the first micro-batch's "
-                  "backward (or right after optimizer.step()), never between two micro-batches "
-                  "and never between the last backward and the step."),
+                  "The message says which: gradients left over from the previous step were "
+                  "added to this one, or a zeroing between micro-batches (or before the step) "
+                  "erased gradients the step needed."),
         Criterion("weights_within_rank", "on each rank, micro-batch i's loss counts in "
                   "proportion to its number of rows",
                   "loss_fn is a mean over the micro-batch's rows, so dividing every loss by the "
                   "number of micro-batches gives a 2-row micro-batch the same say as a 6-row "
-                  "one. Scale each loss by its micro-batch's share of the rows instead.",
-                  weight=2),
+                  "one, although it holds a third of the rows.", weight=2),
         Criterion("weights_across_ranks", "the losses of a rank add up to that rank's share of "
                   "the global rows, times the world size (the wrapper averages over ranks)",
                   "The wrapper averages the ranks' gradients, so each rank counts 1/N however "
-                  "many rows it holds. A rank's losses must then add up to N x its share of all "
-                  "rows; the total number of rows over all ranks takes one all-reduce of a "
-                  "count, before the backward passes.", weight=2),
+                  "many rows it holds: a rank with more rows than the others is under-weighted "
+                  "unless its losses account for its share of all ranks' rows, which no rank "
+                  "knows on its own.", weight=2),
         Criterion("syncs_once_per_step", "each gradient is all-reduced exactly once per "
-                  "optimizer step", "Run every backward but the last inside model.no_sync() "
-                  "(forward included: the wrapper decides at forward time, as torch DDP does)."),
+                  "optimizer step", "Gradients were all-reduced more than once per step: every "
+                  "backward whose forward ran outside no_sync() synchronises (the wrapper "
+                  "decides at forward time, as torch DDP does)."),
         Criterion("matches_single_process", "the gradient at optimizer.step() and the parameters "
                   "after it equal one process's SGD step on the concatenated global batch",
                   "Check the other criteria first: each names one cause of a wrong gradient.",

@@ -144,24 +144,26 @@ class CheckpointResume(Exercise):
     criteria = (
         Criterion("rank_0_writes", "only rank 0 calls torch.save, and when save_checkpoint "
                   "returns on any rank the file is complete",
-                  "Every rank holds the same weights: let rank 0 write, and make the others wait "
-                  "(dist.barrier()) until the file is complete, so nobody reads half a file."),
+                  "Another rank wrote too, or a rank returned before the file was complete: "
+                  "every rank holds the same weights, and a rank that goes on early can read "
+                  "half a file."),
         Criterion("restores_model_and_optimizer", "right after loading, the parameters and the "
                   "optimizer state (AdamW's moments and step) equal those at saving time",
-                  "Save model.module.state_dict() (the unwrapped module: its keys have no "
-                  "'module.' prefix) and optimizer.state_dict(), and load both back.",
+                  "The parameters or the optimizer's moments differ right after loading: the "
+                  "wrapper's state carries a 'module.' prefix the bare module lacks, and "
+                  "AdamW's moments live in the optimizer, not in the model.",
                   requires="load_checkpoint"),
         Criterion("restores_sampler_position", "right after loading, the sampler is at the saved "
                   "epoch and load_checkpoint returns the saved step",
-                  "The sampler's shuffle depends on its epoch: store sampler.epoch, call "
-                  "sampler.set_epoch() with it on load, and return the step within the epoch.",
+                  "The resumed run sees other batches, or starts at another step: the "
+                  "sampler's shuffle depends on its epoch, and that position did not come "
+                  "back.",
                   requires="load_checkpoint"),
         Criterion("restores_each_ranks_rng", "right after loading, every rank's random number "
                   "generator is in the state it had at saving time",
-                  "Dropout draws from each rank's own generator, and the ranks' states differ. "
-                  "Rank 0 can only write what it has: collect every rank's torch.get_rng_state() "
-                  "first (one dist.broadcast from each rank), and on load let each rank restore "
-                  "its own entry (torch.set_rng_state).", requires="load_checkpoint", weight=2),
+                  "Dropout draws from each rank's own generator, and the ranks' states differ: "
+                  "a rank other than 0 resumed with a state that is not its own, because rank 0 "
+                  "can only write what has reached it.", requires="load_checkpoint", weight=2),
         Criterion("exact_resume", "the resumed run's losses and final parameters equal the "
                   "uninterrupted run's", "Check the other criteria first: each names a piece of "
                   "state that did not come back.", requires="load_checkpoint", weight=2),

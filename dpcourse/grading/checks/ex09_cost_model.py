@@ -14,18 +14,26 @@ class RingCost(Exercise):
     name, exercise, title = "ring_cost", "09", "Cost of a ring all-reduce"
     defines = (("main", "ring_all_reduce_time"), ("bytes_per_rank", "ring_bytes_per_rank"))
     criteria = (
-        Criterion("matches_alpha_beta", "alpha + beta together, for sizes from 4 B to 1 GB and "
-                  "2 to 1024 ranks", "time = 2 (N - 1) alpha + 2 (N - 1) / N * nbytes * beta.",
-                  weight=3),
-        Criterion("latency_term", "an empty tensor still costs 2 (N - 1) alpha (one message per "
-                  "ring step)", "The ring has 2 (N - 1) sequential steps; each pays alpha."),
-        Criterion("bandwidth_term", "with alpha = 0 the time is 2 (N - 1) / N * nbytes * beta",
-                  "beta is seconds per byte: multiply the bytes each rank sends by beta."),
+        Criterion("matches_alpha_beta", "the ring's time with latency and bandwidth together, "
+                  "for sizes from 4 B to 1 GB and 2 to 1024 ranks",
+                  "The time differs from the model's: the latency and bandwidth criteria each "
+                  "isolate one term; the one that fails names the part that is off.", weight=3),
+        Criterion("latency_term", "an empty tensor still costs alpha once per ring step",
+                  "With zero bytes only latency is left, and yours is off: the count of messages "
+                  "a rank waits for one after another, over both phases, differs from the "
+                  "ring's."),
+        Criterion("bandwidth_term", "with alpha = 0 the time is the bytes one rank sends, at "
+                  "beta seconds per byte",
+                  "With alpha at 0 the time is off: beta prices the bytes one rank sends, and "
+                  "that is not the tensor's size; count what a rank sends over both phases."),
         Criterion("single_rank_is_free", "one rank sends nothing: time 0",
-                  "With N = 1 there are no steps: 2 (N - 1) = 0.",
+                  "One rank alone was charged time: with no one to exchange with, its ring "
+                  "has no step at all.",
                   needs=("matches_alpha_beta",)),
-        Criterion("bytes_per_rank", "ring_bytes_per_rank(nbytes, N) = 2 (N - 1) / N * nbytes",
-                  "Each phase sends N - 1 chunks of nbytes / N; there are two phases.",
+        Criterion("bytes_per_rank", "ring_bytes_per_rank(nbytes, N) is what one rank sends in "
+                  "the ring's two phases",
+                  "The bytes are off: count the chunks a rank sends in each phase, how large "
+                  "each chunk is, and how many phases there are.",
                   requires="bytes_per_rank"),
         no_delegation("matches_alpha_beta"),
     )
