@@ -302,6 +302,8 @@ def test_hints_name_causes_without_handing_over_code():
 
     code = re.compile(r"\w\(|\s=\s|%|\*\*|>=|\bdist\.\w|\.\w+\(")
     for name, cls in REGISTRY.items():
+        if cls.exercise >= "10":  # lessons 01-09: the exercises that teach the mechanism
+            continue
         for c in cls.criteria:
             assert c.hint, (name, c.name)
             assert not code.search(c.hint.replace("no_sync()", "")), (name, c.name, c.hint)
