@@ -45,6 +45,8 @@ class FlatShard:
         sites: ``sites[k]``: where ``params[k]`` is registered.
         group: process group.
         compute_dtype: dtype of the gathered weights (``None``: the parameters' dtype).
+        shard: this rank's shard, already cut (a model materialised from the meta
+            device, :mod:`dpcourse.fsdp.materialize`); ``None``: cut it from ``params``.
 
     Attributes:
         shard: this rank's ``c`` elements, an ``nn.Parameter`` in the parameters' dtype.
@@ -54,19 +56,23 @@ class FlatShard:
     """
 
     def __init__(self, params: list[nn.Parameter], sites: list[list[Site]], group,
-                 world_size: int, rank: int, compute_dtype: torch.dtype | None):
+                 world_size: int, rank: int, compute_dtype: torch.dtype | None,
+                 shard: torch.Tensor | None = None):
         self.sites, self.group, self.world_size = sites, group, world_size
         self.sizes = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]
         self.numel = sum(self.sizes)
         self.chunk = chunk_size(self.numel, world_size)
         self.padding = world_size * self.chunk - self.numel
-        dtype, device = params[0].dtype, params[0].device
+        dtype = params[0].dtype
+        device = params[0].device if shard is None else shard.device
         self.compute_dtype = compute_dtype or dtype
-        with torch.no_grad():
-            flat = torch.zeros(world_size * self.chunk, dtype=dtype, device=device)
-            torch.cat([p.detach().reshape(-1) for p in params], out=flat[:self.numel])
-            shard = flat[rank * self.chunk:(rank + 1) * self.chunk].clone()
+        if shard is None:
+            with torch.no_grad():
+                flat = torch.zeros(world_size * self.chunk, dtype=dtype, device=device)
+                torch.cat([p.detach().reshape(-1) for p in params], out=flat[:self.numel])
+                shard = flat[rank * self.chunk:(rank + 1) * self.chunk].clone()
+                del flat
         self.shard = nn.Parameter(shard, requires_grad=params[0].requires_grad)
         self.full = torch.empty(world_size * self.chunk, dtype=self.compute_dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()

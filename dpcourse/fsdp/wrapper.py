@@ -27,7 +27,9 @@ from torch import nn
 from torch.autograd import Variable
 
 from dpcourse.ddp.base import broadcast_module_state
+from dpcourse.device import rank_device
 from dpcourse.fsdp.flat import FlatShard, Site
+from dpcourse.fsdp.materialize import Materializer, built_on_meta
 from dpcourse.fsdp.unit import FSDPUnit
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -69,12 +71,20 @@ class FullyShardedDataParallel(nn.Module):
 
     Args:
         module: the model, on this rank's device; rank 0's weights are used everywhere.
+            Or built under ``torch.device("meta")``: then it is materialised unit by
+            unit on ``device`` and initialised by ``param_init_fn`` on rank 0, so that
+            no rank ever holds the whole model (:mod:`dpcourse.fsdp.materialize`).
         compute_dtype: ``None`` (compute in the parameters' dtype), ``torch.bfloat16`` or
             ``torch.float16``: gather and compute in it, keep fp32 master shards.
         reduce_dtype: dtype of the gradient reduce-scatter (default: ``compute_dtype``).
         units: submodules gathered one at a time (default :func:`default_units`).
         prefetch: start the next unit's all-gather while the current one computes.
         group: process group (``None``: the default group).
+        param_init_fn: for a meta module: called on rank 0 with each submodule that owns
+            parameters or buffers, it initialises that submodule's own ones (default:
+            ``module.reset_parameters()``).
+        device: for a meta module: where to build it (default: this rank's GPU under
+            NCCL, else the CPU).
 
     Attributes:
         module: the wrapped model (its parameters are views while a unit computes).
@@ -84,7 +94,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, compute_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, units=None, prefetch: bool = True,
-                 group=None):
+                 group=None, param_init_fn=None, device: torch.device | str | None = None):
         super().__init__()
         unit_modules = default_units(module) if units is None else list(units)
         _check(module, compute_dtype, unit_modules)
@@ -92,16 +102,25 @@ class FullyShardedDataParallel(nn.Module):
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype or compute_dtype
-        broadcast_module_state(module, group)
+        meta = built_on_meta(module, param_init_fn)
+        if not meta and (param_init_fn is not None or device is not None):
+            raise ValueError("param_init_fn= and device= are for a module built under "
+                             "torch.device('meta'); this one already has its weights.")
+        if not meta:
+            broadcast_module_state(module, group)
         self._names = {id(p): n for n, p in module.named_parameters()}
         self.units: list[FSDPUnit] = []
-        self._build_units(module, unit_modules)
+        self._build_units(module, unit_modules, meta and (
+            param_init_fn, torch.device(device) if device else rank_device(group)))
+        if meta:
+            broadcast_module_state(module, group)  # the buffers: rank 0 initialised them
         self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
         self._pending: list = []
         self._order: list[FSDPUnit] = []   # non-root units in this forward's order
         self._in_backward = False
 
-    def _build_units(self, module: nn.Module, unit_modules: list[nn.Module]) -> None:
+    def _build_units(self, module: nn.Module, unit_modules: list[nn.Module], meta) -> None:
+        """Cut every unit's parameters into flat shards (``meta``: ``(param_init_fn, device)``)."""
         owner_of: dict[int, int] = {}  # module id -> unit position (1-based; 0 is the root)
         for k, unit_module in enumerate(unit_modules, start=1):
             for m in unit_module.modules():
@@ -118,15 +137,21 @@ class FullyShardedDataParallel(nn.Module):
             groups.setdefault((unit, params[pid].requires_grad), []).append(pid)
         self._names_by_flat: dict[int, list[str]] = {}
         modules: list[nn.Module | None] = [None, *unit_modules]
+        # Trainable and frozen parameters never share a flat.
+        specs = [[groups[(k, rg)] for rg in (True, False) if (k, rg) in groups]
+                 for k in range(len(modules))]
+        shards = {}
+        if meta:
+            shards = Materializer(module, modules, [[[params[i] for i in ids] for ids in spec]
+                                                    for spec in specs], sites, meta[1], meta[0],
+                                  self.group, self.world_size, self.rank).run()
         for k, um in enumerate(modules):
             flats = []
-            for rg in (True, False):  # trainable and frozen parameters never share a flat
-                if (k, rg) in groups:
-                    ids = groups[(k, rg)]
-                    flats.append(FlatShard([params[i] for i in ids], [sites[i] for i in ids],
-                                           self.group, self.world_size, self.rank,
-                                           self.compute_dtype))
-                    self._names_by_flat[id(flats[-1])] = [self._names[i] for i in ids]
+            for j, ids in enumerate(specs[k]):
+                flats.append(FlatShard([params[i] for i in ids], [sites[i] for i in ids],
+                                       self.group, self.world_size, self.rank,
+                                       self.compute_dtype, shard=shards.get((k, j))))
+                self._names_by_flat[id(flats[-1])] = [self._names[i] for i in ids]
             self.units.append(FSDPUnit(um, flats, self, k))
 
     # -- called by the units ---------------------------------------------------------

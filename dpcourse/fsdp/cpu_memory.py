@@ -1,0 +1,50 @@
+"""Peak tensor memory of a block of CPU code, from the allocator's own records.
+
+On GPUs ``torch.cuda.max_memory_allocated`` answers "how much memory did this
+need at most". On the CPU there is no such counter, but torch's CPU allocator
+reports every allocation and every release (a storage resize included) to the
+profiler when ``profile_memory=True``. Replaying those records in time order
+gives the bytes alive at every moment: the peak is counted by the allocator,
+not by the code being measured.
+"""
+
+from __future__ import annotations
+
+from torch.profiler import ProfilerActivity, profile
+
+
+class CPUMemoryPeak:
+    """Measure the most tensor bytes alive at once inside the block, above those alive at entry.
+
+    Only allocations made by the calling thread are seen (a backend's worker
+    threads are not). Use::
+
+        with CPUMemoryPeak() as mem:
+            model = FullyShardedDataParallel(meta_model)
+        mem.peak_bytes, mem.end_bytes
+
+    Attributes:
+        peak_bytes: the highest sum of bytes allocated minus bytes released, at any moment.
+        end_bytes: that sum when the block ended (what the block left alive).
+    """
+
+    def __enter__(self) -> CPUMemoryPeak:
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        from torch._C._profiler import _EventType
+
+        events, stack = [], list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+                events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            stack.extend(node.children)
+        live = self.peak_bytes = 0
+        for _, nbytes in sorted(events):
+            live += nbytes
+            self.peak_bytes = max(self.peak_bytes, live)
+        self.end_bytes = live
