@@ -159,7 +159,9 @@ def _errors() -> dict:
         with torch.device("meta"):
             return build()
 
-    linears_only = lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None  # noqa: E731
+    def linears_only(m):
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
 
     def boom(m):
         raise KeyError("no init for this layer")
@@ -223,7 +225,8 @@ def test_clear_errors_on_every_rank(results):
         e = r["errors"]
         assert e["no_reset"].startswith("ValueError") and "reset_parameters" in e["no_reset"]
         assert "param_init_fn=" in e["no_reset"] and "Scale" in e["no_reset"]
-        assert e["forgot_param"].startswith("RuntimeError") and "blocks.0.ln2.weight" in e["forgot_param"]
+        assert e["forgot_param"].startswith("RuntimeError")
+        assert "blocks.0.ln2.weight" in e["forgot_param"]
         assert "buffer 'scale'" in e["forgot_buffer"]
         assert "KeyError" in e["init_raises"] and "no init" in e["init_raises"]
         assert e["partly"].startswith("ValueError") and "partly" in e["partly"]

@@ -35,13 +35,17 @@ class CPUMemoryPeak:
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
-        from torch._C._profiler import _EventType
+        from torch._C._profiler import _ExtraFields_Allocation
 
-        events, stack = [], list(self._prof.profiler.kineto_results.experimental_event_tree())
+        results = self._prof.profiler.kineto_results if self._prof.profiler else None
+        if results is None:
+            raise RuntimeError("the profiler returned no records to measure memory from.")
+        events, stack = [], list(results.experimental_event_tree())
         while stack:
             node = stack.pop()
-            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-                events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            fields = node.extra_fields
+            if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.alloc_size))
             stack.extend(node.children)
         live = self.peak_bytes = 0
         for _, nbytes in sorted(events):

@@ -44,7 +44,7 @@ from dpcourse.zero.layout import chunk_size
 
 def reset_parameters(module: nn.Module) -> None:
     """Default ``param_init_fn``: the module's own ``reset_parameters()``."""
-    module.reset_parameters()
+    module.reset_parameters()  # type: ignore[operator]
 
 
 def _own(module: nn.Module) -> list[torch.Tensor]:
@@ -144,7 +144,7 @@ class Materializer:
         """Rank 0: one flat vector per flat of unit ``k``; its parameters become views into it."""
         if self.rank != 0:
             return [None] * len(self.flats[k])
-        out = []
+        out: list[torch.Tensor | None] = []
         for params in self.flats[k]:
             n = sum(p.numel() for p in params)
             flat = torch.full((self.world_size * chunk_size(n, self.world_size),), float("nan"),
@@ -200,7 +200,7 @@ class Materializer:
         Point to point rather than ``dist.scatter``: gloo's scatter first copies the
         whole list into one buffer, a second full unit on rank 0.
         """
-        if self.rank != 0:
+        if flat is None:  # not rank 0
             dist.recv(shard, src=self.src, group=self.group)
             return
         chunks = flat.split(shard.numel())
@@ -208,7 +208,8 @@ class Materializer:
                  for r in range(1, self.world_size)]
         shard.copy_(chunks[0])
         for w in works:
-            w.wait()
+            if w is not None:
+                w.wait()
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)

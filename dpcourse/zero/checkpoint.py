@@ -26,7 +26,7 @@ from dpcourse.zero.layout import shard_range
 
 
 def _to_cpu(state: dict) -> dict:
-    """Copy every tensor of an inner optimizer's state to the CPU (pickled tensors keep their device)."""
+    """Copy every tensor of an inner state to the CPU (a pickled tensor keeps its device)."""
     return {i: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
             for i, s in state.items()}
 
@@ -40,13 +40,13 @@ def gather_state(opt, to: int) -> list[dict] | None:
     pos = {id(s): k for k, s in enumerate(opt.shards)}
     mine = _to_cpu({pos[id(s)]: st for s, st in inner.state.items() if id(s) in pos})
     dst = to if opt.process_group is None else dist.get_global_rank(opt.process_group, to)
-    out = [None] * opt.world_size if opt.rank == to else None
+    out: list | None = [None] * opt.world_size if opt.rank == to else None
     dist.gather_object(mine, out, dst=dst, group=opt.process_group)
     return out
 
 
 def _join_chunks(param: torch.Tensor, key: str, chunks: list, world_size: int):
-    """Rebuild one state entry of ``param`` from every rank's value (a chunk or a replicated scalar)."""
+    """Rebuild one state entry of ``param`` from every rank's value (chunks, or a scalar)."""
     first = chunks[0]
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return first  # replicated (e.g. Adam's step count): every rank holds the same value
@@ -65,7 +65,8 @@ def consolidate(opt, per_rank: list[dict]) -> dict[str, Any]:
 
     # The outer groups hold the current hyperparameters (a scheduler writes there).
     sd = Optimizer.state_dict(opt)  # param_groups with indices; the outer state is empty
-    index, k = {}, 0
+    index: dict[int, int] = {}
+    k = 0
     for g in opt.param_groups:
         for p in g["params"]:
             index.setdefault(id(p), k)

@@ -229,7 +229,7 @@ class ShardedOptimizer(Optimizer):
         return None
 
     def _sync_groups(self, to_inner: bool) -> None:
-        """Copy hyperparameters between the outer groups (what schedulers change) and the inner ones."""
+        """Copy hyperparameters between the outer groups (schedulers write there) and the inner."""
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
             src, dst = (outer, inner) if to_inner else (inner, outer)
             for k, v in src.items():
