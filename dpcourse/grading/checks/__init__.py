@@ -23,12 +23,13 @@ from dpcourse.grading.checks.ex07_no_sync import NoSync
 from dpcourse.grading.checks.ex07_token_weighted import TokenWeighted
 from dpcourse.grading.checks.ex08_checkpoint import CheckpointResume
 from dpcourse.grading.checks.ex09_cost_model import RingCost
+from dpcourse.grading.checks.ex10_join import JoinShadow
 from dpcourse.grading.checks.ex14_fsdp_hooks import FSDPHooks
 
 REGISTRY: dict[str, type[Exercise]] = {c.name: c for c in (
     UnevenAllGather, NaiveDDP, RingAllReduce, AssignBuckets, OverlappedDDP, NoSync, RingCost,
     MeanGradient, BuffersUnused, HalvingDoubling, FirstBucket, ArrivalOrderDDP, TokenWeighted,
-    CheckpointResume, FSDPHooks)}
+    CheckpointResume, JoinShadow, FSDPHooks)}
 
 IN_PROCESS: dict[str, str] = {
     "sharded_step": "dpcourse.grading.ex13_sharded_step:ShardedStep",
