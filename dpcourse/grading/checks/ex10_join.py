@@ -187,14 +187,17 @@ class JoinShadow(Exercise):
                   "the result of the all-reduce notify_join_context starts in forward (each "
                   "rank with data adds 1, Join adds 0 for a joined rank). Keep its handle and "
                   "read it before dividing.", weight=2),
-        Criterion("ranks_agree_at_exit", "after Join exits every rank holds the parameters "
-                  "torch DDP + Join leaves (those of a rank that joined last), frozen layer "
-                  "included",
+        Criterion("ranks_agree_at_exit", "after Join exits every rank holds the parameters a "
+                  "rank that joined last had when it finished training",
                   "A rank that joined early stopped updating its parameters. In post_hook, "
                   "agree on one rank that joined last (is_last_joiner says whether this rank "
                   "is one; an all-reduce with MAX over the candidates' ranks picks the same "
                   "one everywhere) and broadcast its parameters to all. Rank 0 is not "
                   "necessarily a last joiner.", weight=2),
+        Criterion("matches_torch_join", "after Join exits, every rank's parameters (frozen "
+                  "layer included) equal those torch DDP + Join leaves on the same data",
+                  "Check the other criteria first: each names one cause (a divisor, a "
+                  "missing copy at the end).", weight=2),
         no_delegation("shadows_each_step"), no_deadlock("shadows_each_step"),
     )
     notes = (f"compared with torch DDP + Join (recomputed by the grader) to rtol, atol = "
@@ -289,7 +292,11 @@ class JoinShadow(Exercise):
                 crit = "average_over_world" if divide else "average_over_ranks_with_data"
                 recs.append(self._grads(crit, got, ref, other, trainable, counts, r, ws, divide,
                                         tol, label))
-                recs.append(self._final(got, ref, names, counts, r, tol, label))
+                recs.append(self._agree(got, outputs, k, counts, r, label))
+                bad = [(n, m) for n, a, b in zip(names, got["params"], ref["params"])
+                       if (m := mismatch(a, b, *tol))]
+                recs.append(Record("matches_torch_join", not bad, f"rank {r}, {bad[0][0]}: "
+                                   f"{bad[0][1]}" if bad else "", label))
         return recs
 
     @staticmethod
@@ -359,22 +366,34 @@ class JoinShadow(Exercise):
         return Record(crit, True, "", label)
 
     @staticmethod
-    def _final(got, ref, names, counts, r, tol, label) -> Record:
-        bad = [(n, m) for n, a, b in zip(names, got["params"], ref["params"])
-               if (m := mismatch(a, b, *tol))]
-        if not bad:
+    def _agree(got, outputs, k, counts, r, label) -> Record:
+        """Every rank ends with the parameters a last joiner had before the post-hooks ran."""
+        last = [q for q, c in enumerate(counts) if c == max(counts)]
+        sources = [outputs[q][k]["last_own"] for q in last]
+        if any(all(torch.equal(a, b) for a, b in zip(got["params"], src)) for src in sources):
             return Record("ranks_agree_at_exit", True, "", label)
-        detail = f"rank {r}, {bad[0][0]}: {bad[0][1]}"
-        if counts[r] < max(counts) and all(torch.equal(a, b) for a, b in
-                                          zip(got["params"], got["last_own"])):
-            detail += (f" — rank {r} ran out of data after {counts[r]} of {max(counts)} steps "
-                       "and still holds its own parameters: post_hook copied nothing onto it")
-        elif counts[r] == max(counts):
-            detail += (f" — rank {r} trained to the end, yet its parameters changed in "
-                       "post_hook: they were copied from a rank that joined earlier")
+        if r not in last and all(torch.equal(a, b) for a, b in zip(got["params"],
+                                                                    got["last_own"])):
+            detail = (f"rank {r} ran out of data after {counts[r]} of {max(counts)} steps and "
+                      "still holds its own parameters: post_hook copied nothing onto it")
+        elif r in last:
+            detail = (f"rank {r} trained to the end, and post_hook replaced its parameters "
+                      "with those of a rank that joined earlier")
+        else:
+            detail = (f"rank {r} holds parameters that no rank that joined last (rank(s) "
+                      f"{', '.join(map(str, last))}) had at the end of training")
         return Record("ranks_agree_at_exit", False, detail, label)
 
     def explain(self, text):
+        if "disagree on collective number" in text and "all_reduce of 4 bytes" in text:
+            return ("An all-reduce of 4 bytes against a larger one: a rank without data was "
+                    "already in Join's next one-element round ('does anyone still have data?') "
+                    "while another rank synchronised a bucket, so main_hook issued fewer "
+                    "collectives than a step of the others (or none).")
+        if "disagree on collective number" in text and "broadcast" in text:
+            return ("A broadcast against another collective: post_hook runs on every rank, "
+                    "whether it joined early or last, and all of them must take part in the "
+                    "same agreement on the source rank and in the same broadcasts, in order.")
         if "disagree on collective number" in text:
             return ("The ranks issued different collectives at the same point: compare what "
                     "a rank without data issues in main_hook with what the others issue in a "
