@@ -20,10 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = "10_when_ranks_disagree.ipynb"
 
 # One mistake each: (text of the solution, what the mistaken version has instead).
-NO_SHADOW = ("""        for bucket in self.ddp.buckets:  # the same all-reduces, in the same order, of zeros
-            n = sum(p.numel() for p in bucket)
-            dist.all_reduce(torch.zeros(n, dtype=bucket[0].dtype, device=bucket[0].device))""",
-             "        pass")
+NO_SHADOW = ("dist.all_reduce(torch.zeros(n, dtype=bucket[0].dtype, device=bucket[0].device))",
+             "pass  # main_hook issues nothing")
 ALWAYS_WORLD_SIZE = ("        return int(work.get_future().wait()[0].item())",
                      "        return dist.get_world_size()")
 ALWAYS_RANKS_WITH_DATA = ("if work is None or self.divide_by_initial_world_size:",
@@ -38,7 +36,8 @@ def _code(folder: str) -> str:
     import nbformat
 
     nb = nbformat.read(ROOT / folder / NOTEBOOK, as_version=4)
-    return "\n\n".join(c.source for c in nb.cells if c.cell_type == "code" and "check(" not in c.source)
+    return "\n\n".join(c.source for c in nb.cells
+                       if c.cell_type == "code" and "check(" not in c.source)
 
 
 @pytest.fixture
@@ -113,6 +112,25 @@ def test_a_last_joiner_skipping_the_final_agreement_is_named(wrapper):
     first = result.criterion("shadows_each_step")  # a stopped round is reported here
     assert "disagree on collective number" in first.detail and "broadcast" in first.detail
     assert "post_hook runs on every rank" in first.hint
+
+
+def test_hints_name_causes_without_handing_over_code():
+    import re
+
+    from dpcourse.grading.checks.ex10_join import JoinShadow
+
+    spec = JoinShadow()
+    code = re.compile(r"\w\(|\s=\s|%|\*\*|>=|\bdist\.\w|\.\w+\(")  # as for exercises 01-09
+    explained = [spec.explain(t) for t in (
+        "the ranks disagree on collective number 3: rank 0: all_reduce of 4 bytes; ...",
+        "the ranks disagree on collective number 3: rank 0: broadcast of 64 bytes; ...",
+        "the ranks disagree on collective number 3: rank 0: all_reduce of 64 bytes; ...",
+        "world size 2: not finished after 45 s.", "AssertionError: Check that the <class> "
+        "constructor calls the ``Joinable`` constructor", "TypeError: Can't instantiate "
+        "abstract class JoinableDDP")]
+    assert all(explained)
+    for hint in [c.hint for c in spec.criteria] + explained:
+        assert hint and not code.search(hint), hint
 
 
 def _torch_ddp_join(seeds, cases):

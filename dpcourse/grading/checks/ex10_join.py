@@ -169,8 +169,7 @@ class JoinShadow(Exercise):
                   "join_process_group the group the wrapper averages over",
                   "Join asks the wrapper for its hook (join_hook receives Join's keyword "
                   "arguments), and for the device and group of its own one-element "
-                  "all-reduces: those of the parameters, and the default group "
-                  "(dist.group.WORLD)."),
+                  "all-reduces: those of the parameters, and the default process group."),
         Criterion("average_over_world", "with divide_by_initial_world_size=True (Join's "
                   "default) each step's gradients equal torch DDP + Join's: the sum over the "
                   "ranks with data divided by the world size",
@@ -402,11 +401,11 @@ class JoinShadow(Exercise):
         if "not finished after" in text:
             return ("The named rank waited in a collective that another rank never issued: "
                     "either a rank left Join while others still trained (main_hook must shadow "
-                    "every collective of their step), or forward did not call "
-                    "Join.notify_join_context(self), so Join never learnt that ranks still "
-                    "had data.")
+                    "every collective of their step), or forward did not notify the join "
+                    "context, so Join never learnt that ranks still had data.")
         if "_join_config" in text or "calls the ``Joinable`` constructor" in text:
-            return "Call Joinable.__init__(self) in __init__: it sets the state Join fills in."
+            return ("The wrapper's constructor must also run Joinable's constructor: it sets "
+                    "the state Join fills in.")
         if "abstract" in text:
             return ("Joinable is an abstract class: the wrapper must define join_hook, and "
                     "join_device and join_process_group as properties.")
