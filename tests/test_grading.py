@@ -177,16 +177,16 @@ def test_solutions_score_full_marks_with_every_output(tmp_path):
     proc, report = _grade(tmp_path, ROOT / "solutions", "--csv", csv_path, "--lms-csv", lms,
                           "--feedback", fb)
     assert all(nb["status"] == "ok" for nb in report["notebooks"]), report["notebooks"]
-    assert len(report["results"]) == 17
+    assert len(report["results"]) == 18
     for row in report["results"]:
         assert row["passed"] == row["total"] > 0, (row["check"], [
             (c["name"], c["detail"]) for c in row["criteria"] if not c["passed"]])
-    assert report["points"] == report["max_points"] == 170
+    assert report["points"] == report["max_points"] == 180
     rows = list(csv.DictReader(csv_path.open()))
     assert len(rows) == sum(r["total"] for r in report["results"])
-    assert abs(sum(float(r["points"]) for r in rows) - 170) < 0.1
+    assert abs(sum(float(r["points"]) for r in rows) - 180) < 0.1
     lms_rows = list(csv.reader(lms.open()))
-    assert lms_rows[0][:2] == ["Student", "ID"] and lms_rows[1][-1] == "170.0"
+    assert lms_rows[0][:2] == ["Student", "ID"] and lms_rows[1][-1] == "180.0"
     feedback = nbformat.read(fb / "solutions" / "04_ring_all_reduce.feedback.ipynb", as_version=4)
     assert "Grading report" in feedback.cells[0].source
     assert (fb / "solutions" / "04_ring_all_reduce.feedback.html").stat().st_size > 1000
@@ -200,8 +200,8 @@ def test_exercises_run_through_and_score_zero(tmp_path):
         "mean_gradient", "uneven_all_gather", "ring_all_reduce", "halving_doubling",
         "naive_ddp", "naive_ddp_complete",
         "assign_buckets", "first_bucket", "overlapped_ddp", "arrival_order", "no_sync",
-        "token_weighted", "checkpoint_resume", "ring_cost", "join_shadow", "sharded_step",
-        "fsdp_hooks"}
+        "token_weighted", "checkpoint_resume", "ring_cost", "join_shadow",
+        "error_feedback_hook", "sharded_step", "fsdp_hooks"}
     for row in report["results"]:
         assert row["points"] == 0 and row["total"] > 0, row
     assert all(any("not implemented yet" in n for n in r["notes"]) for r in report["results"])

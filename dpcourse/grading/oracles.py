@@ -185,3 +185,21 @@ def fsdp_step_collectives(units: list[list[tuple[int, bool]]], world_size: int,
         backward.append([("all_gather_into_tensor", full(n)) for n, _ in flats])
         backward.append([("reduce_scatter_tensor", full(n)) for n, t in flats if t])
     return {"forward": forward, "backward": [g for g in backward if g]}
+
+
+# -- lesson 11: torch's 16-bit compression hook ------------------------------------------------
+def compress_hook(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """What torch's ``bf16_compress_hook``/``fp16_compress_hook`` leave in a bucket, every rank.
+
+    Each rank casts its bucket to ``dtype`` and divides by the world size *in* ``dtype``; the
+    all-reduce sums those in rank order (in ``dtype``), and the sum is cast back.
+
+    Args:
+        grads: every rank's flat bucket, in rank order.
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+    """
+    n = len(grads)
+    total = grads[0].to(dtype).div_(n)
+    for g in grads[1:]:
+        total += g.to(dtype).div_(n)
+    return total.to(grads[0].dtype)

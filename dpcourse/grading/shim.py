@@ -64,9 +64,10 @@ class Link:
 class Work:
     """The handle of an asynchronous operation (``work.wait()``, ``work.is_completed()``)."""
 
-    def __init__(self, link: Link, ident: int | None, on_reply=None, what: str = ""):
+    def __init__(self, link: Link, ident: int | None, on_reply=None, what: str = "",
+                 tensors: tuple = ()):
         self.link, self.ident, self.on_reply, self.what = link, ident, on_reply, what
-        self.done = ident is None
+        self.done, self.tensors = ident is None, list(tensors)
 
     def wait(self, timeout=None) -> bool:
         if not self.done:
@@ -79,6 +80,17 @@ class Work:
 
     def is_completed(self) -> bool:
         return self.done
+
+    def get_future(self) -> torch.futures.Future:
+        """Wait, then return a completed future whose value is the list of result tensors.
+
+        As ``work.get_future()`` of torch's collectives, which communication hooks chain
+        with ``.then(...)``; here the operation is finished before the future is returned.
+        """
+        self.wait()
+        fut = torch.futures.Future()
+        fut.set_result(self.tensors)
+        return fut
 
 
 class P2POp:
@@ -239,7 +251,7 @@ class DistModule(types.ModuleType):
                 _check_memory(output, op, "output")  # it may have been freed before wait()
                 with torch.no_grad():
                     output.copy_(tensors[0].reshape(output.shape))
-        work = Work(self._link, ident, deliver, op)
+        work = Work(self._link, ident, deliver, op, () if output is None else (output,))
         if async_op:
             return work
         work.wait()

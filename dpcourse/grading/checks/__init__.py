@@ -24,12 +24,13 @@ from dpcourse.grading.checks.ex07_token_weighted import TokenWeighted
 from dpcourse.grading.checks.ex08_checkpoint import CheckpointResume
 from dpcourse.grading.checks.ex09_cost_model import RingCost
 from dpcourse.grading.checks.ex10_join import JoinShadow
+from dpcourse.grading.checks.ex11_error_feedback import ErrorFeedbackHook
 from dpcourse.grading.checks.ex14_fsdp_hooks import FSDPHooks
 
 REGISTRY: dict[str, type[Exercise]] = {c.name: c for c in (
     UnevenAllGather, NaiveDDP, RingAllReduce, AssignBuckets, OverlappedDDP, NoSync, RingCost,
     MeanGradient, BuffersUnused, HalvingDoubling, FirstBucket, ArrivalOrderDDP, TokenWeighted,
-    CheckpointResume, JoinShadow, FSDPHooks)}
+    CheckpointResume, JoinShadow, ErrorFeedbackHook, FSDPHooks)}
 
 IN_PROCESS: dict[str, str] = {
     "sharded_step": "dpcourse.grading.ex13_sharded_step:ShardedStep",
