@@ -10,7 +10,26 @@ not by the code being measured.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 from torch.profiler import ProfilerActivity, profile
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 for the block: the profiler logs a line with the time and
+    the process id when it starts and stops, noise in a notebook's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class CPUMemoryPeak:
@@ -30,11 +49,13 @@ class CPUMemoryPeak:
 
     def __enter__(self) -> CPUMemoryPeak:
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        with _quiet_stderr():  # only while the profiler starts: the block's errors still show
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._prof.__exit__(*exc)
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
         from torch._C._profiler import _ExtraFields_Allocation
 
         results = self._prof.profiler.kineto_results if self._prof.profiler else None
