@@ -137,3 +137,23 @@ def test_exercise_is_generated_and_the_lesson_links_it():
     assert (ROOT / "exercises" / NOTEBOOK).read_text() == make_exercises.render(
         str(ROOT / "solutions" / NOTEBOOK))
     assert f"../exercises/{NOTEBOOK}" in (ROOT / "lessons" / "_build" / "14_fsdp.txt").read_text()
+
+
+def test_freeing_a_buffer_before_its_gather_finished_is_an_error_with_a_hint():
+    result = _two_ranks(fsdp_bugs.FreesBeforeWait)
+    crit = result.criterion("gathers_before_forward")
+    assert not crit.passed and "has no memory" in crit.detail
+    assert "only after the collective has finished" in crit.hint
+    assert result.score == 0
+
+
+def test_a_rank_that_crashes_in_torch_is_a_failed_check_not_a_hang():
+    import time
+
+    t0 = time.monotonic()
+    result = _two_ranks(fsdp_bugs.ReadsFreedWeights)
+    assert time.monotonic() - t0 < 120  # startup on a loaded machine included; no timeout
+    crit = result.criterion("gathers_before_forward")
+    assert not crit.passed and "killed by signal" in crit.detail
+    assert "memory had been freed" in crit.hint
+    assert result.score == 0

@@ -94,3 +94,22 @@ class NewBufferForBackward(_Hooks):
         for flat in self.flats:
             fresh = torch.empty(flat.full.numel())
             dist.all_gather_into_tensor(fresh, flat.shard.detach(), group=self.group)
+
+
+class FreesBeforeWait(_Hooks):
+    """Starts each gather asynchronously and frees the buffer before waiting for it."""
+
+    def gather(self):
+        for flat in self.flats:
+            work = dist.all_gather_into_tensor(flat.allocate(), flat.shard.detach(),
+                                               group=self.group, async_op=True)
+            flat.free()
+            work.wait()
+
+
+class ReadsFreedWeights(_Hooks):
+    """Reads a unit's weights after freeing them: torch touches released memory."""
+
+    def post_forward(self, module, args, output):
+        super().post_forward(module, args, output)
+        print(float(self.flats[0].full.sum()))
