@@ -103,42 +103,47 @@ class FSDPHooks(Exercise):
     criteria = (
         Criterion("gathers_before_forward", "when a unit's forward starts, every parameter of "
                   "it is a view into its flat's gathered buffer and holds the full weight",
-                  "In the forward pre-hook, all-gather every flat's shard into the buffer "
-                  "flat.allocate() returns, then point the module at views of flat.full: for a "
-                  "trainable flat through gathered(flat, ...), so that autograd reaches the "
-                  "shard; for a frozen one, flat.full itself."),
+                  "When the unit's forward started, its weights were not the full weights, or "
+                  "not views into its flats' full buffers. Before a unit computes, each of its "
+                  "flats is gathered from every rank's shard into the buffer that allocate "
+                  "hands out, and the module is pointed at views of it: through gathered for a "
+                  "trainable flat (autograd's only path back to the shard), at the full buffer "
+                  "itself for a frozen one. A copy instead of a view keeps memory that freeing "
+                  "does not release."),
         Criterion("frees_after_forward", "when a unit's forward ends, none of its flats holds "
-                  "memory", "Free every flat of the unit in the forward hook (after its "
-                  "forward): the next unit's weights must not add to this one's.",
+                  "memory", "A unit still held gathered weights after its forward had ended. "
+                  "Its forward no longer needs them and its backward gathers them again: "
+                  "keeping them adds up every unit's full weights over the forward.",
                   needs=("gathers_before_forward",)),
         Criterion("gathers_before_backward", "when a unit's backward starts, its flats are "
                   "gathered again, into the same buffers autograd saved views of",
-                  "The weights a unit's backward needs were freed after its forward. Register "
-                  "a hook on the unit's output in the forward hook (it runs when the output's "
-                  "gradient is known, just before the unit's backward) and all-gather every "
-                  "flat again there, into flat.allocate(): autograd saved views of flat.full, "
-                  "so a new buffer would not reach them.", weight=2),
+                  "A unit's backward started with its weights freed, or gathered into a buffer "
+                  "autograd never saw. The backward needs the weights the forward used, and "
+                  "autograd saved views of each flat's full buffer: those same buffers must be "
+                  "gathered again by a hook that runs when the unit's output gradient is known, "
+                  "one registered on the output while the unit's forward ends.", weight=2),
         Criterion("frees_after_backward", "once a unit's gradient is reduce-scattered its "
                   "trainable flats hold no memory (checked when the next unit's backward "
                   "starts, and when backward returns)",
-                  "Free the flat in the gradient hook, right after its reduce-scatter: its "
-                  "backward is over, and keeping it would hold every unit's full weights by the "
-                  "end of backward.", needs=("gathers_before_backward",)),
+                  "A unit's trainable weights were still gathered after its gradient had been "
+                  "reduce-scattered. Its backward is over at that moment; keeping them means "
+                  "holding every unit's full weights by the end of backward.",
+                  needs=("gathers_before_backward",)),
         Criterion("reduce_scatters_gradients", "at optimizer.step(), each trainable shard's "
                   ".grad is this rank's chunk of the gradient averaged over the ranks; frozen "
                   "shards have none",
-                  "The gradient hook receives this rank's gradient of the whole flat: "
-                  "reduce-scatter it so that rank r receives the sum of chunk r, divide by the "
-                  "world size (a ratio equal to the world size means the division is missing), "
-                  "and store it as flat.shard.grad (adding to a gradient already there).",
-                  weight=2),
+                  "The shard's gradient was not this rank's chunk of the gradient averaged over "
+                  "the ranks. The gradient hook receives this rank's own gradient of the whole "
+                  "flat, and a reduce-scatter leaves each rank the sum of its chunk over all "
+                  "ranks. A ratio equal to the world size means the sum was never divided; no "
+                  "gradient at all means nothing was stored on the shard.", weight=2),
         Criterion("collectives_as_fsdp", "each step issues exactly: forward, one all-gather "
                   "per flat, unit by unit; backward, in reverse unit order, the unit's "
                   "all-gathers again, then one reduce-scatter per trainable flat; sizes N x "
-                  "chunk", "Gather in the pre-hooks only (every flat of the unit, once), "
-                  "reduce-scatter only in the gradient hook, once per trainable flat. An "
-                  "all-reduce of the gradient moves twice the bytes of a reduce-scatter and "
-                  "leaves every rank the full gradient that sharding is meant to avoid.",
+                  "chunk", "The collectives differ from FSDP's. An all-reduce of the gradient "
+                  "leaves every rank the whole gradient, which sharding exists to avoid, and "
+                  "moves twice the bytes of a reduce-scatter; an extra or missing gather shows "
+                  "a hook that runs too often, or never.",
                   weight=2, needs=("gathers_before_forward",)),
         Criterion("matches_single_process", "after each of 3 steps (SGD with momentum, and "
                   "AdamW), the parameters assembled from the ranks' shards equal one process "
@@ -294,12 +299,12 @@ class FSDPHooks(Exercise):
 
     def explain(self, text):
         if "SIGSEGV" in text or "SIGBUS" in text:
-            return ("A rank crashed inside torch: it read or wrote a tensor whose memory had "
-                    "been freed. Free a flat only after the last use of its weights, and "
-                    "gather it again (flat.allocate()) before anything reads it.")
+            return ("A rank crashed inside torch: something read or wrote a tensor whose memory "
+                    "had been freed. A flat's buffer may be freed only after the last use of its "
+                    "weights, and must be allocated and gathered again before anything reads it.")
         if "has no memory" in text:
-            return ("A collective touched a freed buffer: call flat.allocate() before gathering "
-                    "into it, and free it only after the collective has finished.")
+            return ("A collective touched a buffer that held no memory: it was not allocated "
+                    "before the gather, or it was freed before the collective had finished.")
         if "not available to graded code" in text:
             return self.dist_why
         return ""
