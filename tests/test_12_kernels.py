@@ -360,7 +360,7 @@ def test_learner_kernel_travels_as_source_and_knows_a_stub():
 @pytest.mark.skipif(GPUS >= 2, reason="checks the message shown on machines without 2 GPUs")
 def test_exercise_check_skips_with_a_message_without_gpus(capsys):
     from dpcourse.comm.kernels.exercise import LearnerKernel
-    from dpcourse.grading.ex12_nvlink_kernels import check_nvlink_kernels
+    from dpcourse.grading.checks.ex12_nvlink_kernels import check_nvlink_kernels
 
     k = LearnerKernel("one_shot_kernel", "def one_shot_kernel(x):\n    pass\n")
     report = check_nvlink_kernels(k)
@@ -374,7 +374,7 @@ def test_exercise_check_passes_the_solution_kernels():
     import sys
     import tempfile
 
-    from dpcourse.grading.ex12_nvlink_kernels import check_nvlink_kernels
+    from dpcourse.grading.checks.ex12_nvlink_kernels import check_nvlink_kernels
 
     root = pathlib.Path(__file__).resolve().parents[1]
     cells = json.loads((root / "solutions" / "12_nvlink_kernels.ipynb").read_text())["cells"]

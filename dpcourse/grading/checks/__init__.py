@@ -33,7 +33,7 @@ REGISTRY: dict[str, type[Exercise]] = {c.name: c for c in (
     CheckpointResume, JoinShadow, ErrorFeedbackHook, FSDPHooks)}
 
 IN_PROCESS: dict[str, str] = {
-    "sharded_step": "dpcourse.grading.ex13_sharded_step:ShardedStep",
+    "sharded_step": "dpcourse.grading.checks.ex13_sharded_step:ShardedStep",
 }
 
 __all__ = ["REGISTRY", "Exercise", "Record", "available_checks", "get_spec", "for_notebook"]
