@@ -25,50 +25,37 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _checked(text: str, convert, allowed, what: str, unreadable: str = "") -> int | float:
+    """Return ``convert(text)`` if ``allowed`` accepts it; else say it ``must be {what}``."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {unreadable or what}, got {text!r}") from None
+    if not allowed(value):  # a comparison with nan is False: nan is refused too
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (ranks, iterations, batch size)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "a whole number >= 1")
 
 
 def nonnegative_int(text: str) -> int:
     """An integer >= 0 (warm-up calls)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
-    return value
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    return _checked(text, int, lambda v: v >= 0, "a whole number >= 0")
 
 
 def positive_seconds(text: str) -> float:
     """A finite number of seconds > 0 (timeouts)."""
-    value = _number(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
-    return value
+    return _checked(text, float, lambda v: 0 < v < math.inf, "a finite number of seconds > 0",
+                    unreadable="a number")
 
 
 def nonnegative_mib(text: str) -> float:
     """A bucket cap in MiB: a number >= 0 (0: one bucket per parameter)."""
-    value = _number(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(
-            f"must be a number of MiB >= 0 (0: one bucket per parameter), got {text!r}")
-    return value
+    return _checked(text, float, lambda v: v >= 0,
+                    "a number of MiB >= 0 (0: one bucket per parameter)", unreadable="a number")
 
 
 def comma_list(item, allowed: tuple[str, ...] | None = None):

@@ -52,8 +52,8 @@ class TiedEmbeddingModel(nn.Module):
         return self.head(torch.tanh(self.hidden(self.embed(tokens))))
 
 
-class BatchNormMLP(nn.Module):
-    """An MLP with BatchNorm1d: its running statistics are buffers, broadcast, never reduced.
+class _MiddleLayerMLP(nn.Module):
+    """``fc1``, a middle module that subclasses name and build, and ``fc2``, created in that order.
 
     Args:
         in_features: input width.
@@ -62,36 +62,41 @@ class BatchNormMLP(nn.Module):
         seed: initialisation seed.
     """
 
+    middle = ""  # the middle module's attribute name
+
     def __init__(self, in_features: int = 8, hidden: int = 16, out_features: int = 1,
                  seed: int | None = 0):
         super().__init__()
         with seeded(seed):
             self.fc1 = nn.Linear(in_features, hidden)
-            self.norm = nn.BatchNorm1d(hidden)
+            self.add_module(self.middle, self.make_middle(hidden))
             self.fc2 = nn.Linear(hidden, out_features)
+
+    def make_middle(self, hidden: int) -> nn.Module:
+        """Return the module that sits between ``fc1`` and ``fc2``."""
+        raise NotImplementedError
+
+
+class BatchNormMLP(_MiddleLayerMLP):
+    """An MLP with BatchNorm1d: its running statistics are buffers, broadcast, never reduced."""
+
+    middle = "norm"
+
+    def make_middle(self, hidden: int) -> nn.Module:
+        return nn.BatchNorm1d(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map (B, in_features) to (B, out_features)."""
         return self.fc2(torch.tanh(self.norm(self.fc1(x))))
 
 
-class UnusedLayerMLP(nn.Module):
-    """An MLP with a trainable layer that forward never uses: its gradient never arrives.
+class UnusedLayerMLP(_MiddleLayerMLP):
+    """An MLP with a trainable layer that forward never uses: its gradient never arrives."""
 
-    Args:
-        in_features: input width.
-        hidden: hidden width.
-        out_features: output width.
-        seed: initialisation seed.
-    """
+    middle = "unused"
 
-    def __init__(self, in_features: int = 8, hidden: int = 16, out_features: int = 1,
-                 seed: int | None = 0):
-        super().__init__()
-        with seeded(seed):
-            self.fc1 = nn.Linear(in_features, hidden)
-            self.unused = nn.Linear(hidden, hidden)
-            self.fc2 = nn.Linear(hidden, out_features)
+    def make_middle(self, hidden: int) -> nn.Module:
+        return nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map (B, in_features) to (B, out_features), skipping ``self.unused``."""

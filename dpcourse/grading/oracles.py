@@ -59,23 +59,54 @@ def ring_bytes(numel: int, world_size: int, element_size: int) -> int:
 
 
 # -- lesson 05: torch DDP's bucket rule ----------------------------------------------------------
+def close_by_caps(order, nbytes: list[int], caps: list[float],
+                  strict: bool = False) -> list[list[int]]:
+    """Fill buckets along ``order``; bucket k closes once it holds >= ``caps[min(k, last)]`` bytes.
+
+    Args:
+        order: parameter indices in the order their gradients are bucketed.
+        nbytes: each parameter's size in bytes, by index.
+        caps: the first bucket's cap, the second's, ...; the last one holds for the rest.
+        strict: close only once a bucket holds *more* than its cap (a common mistake, used to
+            recognise it in feedback).
+    """
+    out, current, size = [], [], 0
+    for i in order:
+        current.append(i)
+        size += nbytes[i]
+        cap = caps[min(len(out), len(caps) - 1)]
+        if size > cap or (size == cap and not strict):
+            out.append(current)
+            current, size = [], 0
+    return out + ([current] if current else [])
+
+
 def buckets(nbytes: list[int], bucket_cap_mb: float, strict: bool = False) -> list[list[int]]:
     """Indices per bucket: last parameter first; a bucket closes once it holds >= the cap.
 
     Args:
         nbytes: each parameter's size in bytes, in registration order.
         bucket_cap_mb: the cap in MiB.
-        strict: close only once a bucket holds *more* than the cap (a common mistake, used to
-            recognise it in feedback).
+        strict: as in :func:`close_by_caps`.
     """
-    cap, out, current, size = bucket_cap_mb * MIB, [], [], 0
-    for i in range(len(nbytes) - 1, -1, -1):
-        current.append(i)
-        size += nbytes[i]
-        if size > cap or (size == cap and not strict):
-            out.append(current)
-            current, size = [], 0
-    return out + ([current] if current else [])
+    return close_by_caps(reversed(range(len(nbytes))), nbytes, [bucket_cap_mb * MIB], strict)
+
+
+def buckets_with_first(nbytes: list[int], trainable: list[bool], bucket_cap_mb: float,
+                       first_bucket_mb: float) -> list[list[int]]:
+    """Return torch DDP's buckets with its smaller first bucket, in the order it all-reduces them.
+
+    Args:
+        nbytes: bytes of every parameter, in registration order (frozen ones included).
+        trainable: whether each parameter requires a gradient.
+        bucket_cap_mb: cap of every bucket after the first, in MiB.
+        first_bucket_mb: cap of the first bucket, in MiB.
+
+    Returns:
+        Lists of indices into the parameters; frozen parameters are in none.
+    """
+    order = [i for i in reversed(range(len(nbytes))) if trainable[i]]
+    return close_by_caps(order, nbytes, [first_bucket_mb * MIB, bucket_cap_mb * MIB])
 
 
 # -- lesson 09: the alpha-beta model of a ring all-reduce --------------------------------------

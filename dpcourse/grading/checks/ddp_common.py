@@ -1,10 +1,12 @@
-"""What the data-parallel checks (03, 06, 07) share: the model, the training run, the verdicts.
+"""What the data-parallel checks (03, 05, 06, 07) share: the model, the training run, the verdicts.
 
 Every rank builds the check's small MLP from its *own* fresh seed (so a missing
 start-up broadcast shows), trains it for a few SGD steps on its shard of fresh
 random batches, and returns its gradients and parameters after each step.
 The grader computes what DDP computes, and what one process on the whole batch
 computes (:func:`dpcourse.grading.oracles.train_reference`), and compares.
+The bucket checks (05, 06) share how a case's parameters are built, how the
+learner's buckets travel back, and how one step's all-reduces are judged.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ IN, HIDDEN, MID, OUT = 8, 16, 12, 4
 BATCH = 4     # samples per rank and micro-batch
 STEPS = 3
 LR = 0.05
+MIB = 2**20
+DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 C_BROADCAST = Criterion(
     "initial_broadcast", "after construction every rank holds rank 0's parameters",
@@ -88,15 +92,20 @@ def default_step(model, optimizer, micro_batches, loss_fn) -> None:
     optimizer.step()
 
 
-def _instrument(link, model, wrapped) -> None:
-    """Mark when backward reaches the first layer, when finish runs, and no_sync's window."""
+def mark_first_layer(link, layer: nn.Module) -> None:
+    """Put a mark on the grader's record each time backward reaches ``layer``'s output."""
     def on_grad(grad):
         link.mark("first_layer_backward")  # returns None: the gradient is left unchanged
 
     def mark(module, inputs, output):
         if output.requires_grad:
             output.register_hook(on_grad)
-    model[0].register_forward_hook(mark)
+    layer.register_forward_hook(mark)
+
+
+def _instrument(link, model, wrapped) -> None:
+    """Mark when backward reaches the first layer, when finish runs, and no_sync's window."""
+    mark_first_layer(link, model[0])
     finish = getattr(wrapped, "finish_gradient_synchronization", None)
     if callable(finish):
         def marked_finish(*args, **kwargs):
@@ -142,6 +151,22 @@ def step_events(events: list, run: int, step: int) -> list:
     return events_of(events, f"run {run}: step {step}")
 
 
+def first_mismatch(names, got, want, tol, what: str = "") -> str:
+    """``"name<what>: how it differs"`` for the first tensor of ``got`` unlike ``want``, or ``""``.
+
+    Args:
+        names: the parameters' names, in the order of ``got`` and ``want``.
+        got, want: tensors (``None`` in ``got``: no gradient).
+        tol: ``(rtol, atol)``.
+        what: appended to the name, e.g. ``".grad"``.
+    """
+    for name, a, b in zip(names, got, want):
+        diff = "no gradient" if a is None else mismatch(a, b, *tol)
+        if diff:
+            return f"{name}{what}: {diff}"
+    return ""
+
+
 def judge_training(ws, inputs, outputs, events, grads_crit=C_AVERAGED.name, run=0) -> list:
     """Records for initial_broadcast, the gradient, matches_torch_ddp, matches_single_process."""
     from dpcourse.grading import oracles
@@ -154,27 +179,22 @@ def judge_training(ws, inputs, outputs, events, grads_crit=C_AVERAGED.name, run=
     recs = []
     for r in range(ws):
         out = outputs[r]["runs"][run]
-        bad = [(n, m) for n, a, b in zip(names, out["init"], ref["init"]) if (m := mismatch(a, b, 0, 0))]
-        recs.append(Record(C_BROADCAST.name, not bad, f"rank {r}, {bad[0][0]}: {bad[0][1]}"
-                           if bad else ""))
-        bad = [(n, "no gradient" if a is None else mismatch(a, b, *tol_ddp))
-               for n, a, b in zip(names, out["grads"][0], ref["ddp"]["grads"][0])]
-        bad = [x for x in bad if x[1]]
-        detail = f"rank {r}, step 0, {bad[0][0]}.grad: {bad[0][1]}" if bad else ""
+        bad = first_mismatch(names, out["init"], ref["init"], (0, 0))
+        recs.append(Record(C_BROADCAST.name, not bad, f"rank {r}, {bad}" if bad else ""))
+        bad = first_mismatch(names, out["grads"][0], ref["ddp"]["grads"][0], tol_ddp, ".grad")
+        detail = f"rank {r}, step 0, {bad}" if bad else ""
         finished = [e for e in step_events(events[r], run, 0) if e.get("label") == "finish"]
         if bad and not finished:
             detail += (" — model.finish_gradient_synchronization() was never called in the step: "
                        "gradients left by the hooks were not waited for and averaged")
         recs.append(Record(grads_crit, not bad, detail))
         for step in range(STEPS):
-            bad = [(n, m) for n, a, b in zip(names, out["params"][step], ref["ddp"]["params"][step])
-                   if (m := mismatch(a, b, *tol_ddp))]
-            recs.append(Record(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad[0][0]}: "
-                               f"{bad[0][1]}" if bad else ""))
-        bad = [(n, m) for n, a, b in zip(names, out["params"][-1], ref["single"]["params"][-1])
-               if (m := mismatch(a, b, *tol_one))]
-        recs.append(Record(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, "
-                           f"{bad[0][0]}: {bad[0][1]}" if bad else ""))
+            bad = first_mismatch(names, out["params"][step], ref["ddp"]["params"][step], tol_ddp)
+            recs.append(Record(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad}"
+                               if bad else ""))
+        bad = first_mismatch(names, out["params"][-1], ref["single"]["params"][-1], tol_one)
+        recs.append(Record(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, {bad}"
+                           if bad else ""))
     return recs
 
 
@@ -187,3 +207,56 @@ def explain(text: str) -> str:
                 "reference), which does not exist while your code is graded: communicate with "
                 "dist.all_reduce / dist.broadcast yourself.")
     return ""
+
+
+# -- bucket checks (05, 06) -----------------------------------------------------------------
+def zero_params(sizes, dtype: str, frozen=()) -> list[nn.Parameter]:
+    """Zero parameters of ``sizes`` elements of ``dtype``; those at ``frozen`` need no gradient."""
+    return [nn.Parameter(torch.zeros(n, dtype=DTYPES[dtype]), requires_grad=i not in frozen)
+            for i, n in enumerate(sizes)]
+
+
+def case_nbytes(case: dict) -> list[int]:
+    """Bytes of each parameter of a bucket case (``{"sizes", "dtype"}``)."""
+    return [n * DTYPES[case["dtype"]].itemsize for n in case["sizes"]]
+
+
+def index_lists(got) -> list | dict:
+    """The learner's buckets as lists of ints, or ``{"type": ...}`` when they are not lists."""
+    try:
+        return [[int(i) for i in b] for b in got]
+    except TypeError:
+        return {"type": type(got).__name__}
+
+
+def not_index_lists(got, criterion: str, case: str) -> Record | None:
+    """A failed record when the learner's buckets did not come back as lists, else ``None``."""
+    if isinstance(got, list):
+        return None
+    return Record(criterion, False, f"expected a list of lists of indices, got {got['type']}",
+                  case)
+
+
+def overlap_records(events: list, case: str) -> tuple[list[int], list[Record]]:
+    """Judge one step's all-reduces: their sizes in issue order, and whether they overlap.
+
+    Returns:
+        The sizes (bytes), and records of ``starts_during_backward`` (the first all-reduce
+        is issued before backward reaches the first layer) and ``no_serialising_wait``
+        (every all-reduce is asynchronous and issued before the first wait).
+    """
+    order = [e for e in events if e["op"] in ("all_reduce", "wait", "mark")]
+    colls = [k for k, e in enumerate(order) if e["op"] == "all_reduce"]
+    marks = [k for k, e in enumerate(order) if e.get("label") == "first_layer_backward"]
+    recs = [Record("starts_during_backward", bool(colls and marks and colls[0] < marks[-1]),
+                   "no all-reduce was issued before backward reached the first layer", case)]
+    waits = [k for k, e in enumerate(order) if e["op"] == "wait"]
+    blocking = [k for k in colls if not order[k]["async_op"]]
+    detail = ""
+    if blocking:
+        detail = f"{len(blocking)} all-reduce(s) were blocking (async_op=False)"
+    elif colls and waits and waits[0] < colls[-1]:
+        detail = ("a bucket was waited on before the next bucket was issued: the waits "
+                  "serialise communication with backward")
+    recs.append(Record("no_serialising_wait", not detail, detail, case))
+    return [order[k]["nbytes"] for k in colls], recs

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
+from dpcourse.grading.checks import ddp_common as d
 from dpcourse.grading.checks.base import Exercise, Record, begin
 from dpcourse.grading.criteria import Criterion, no_delegation
 
-MIB = 2**20
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
+MIB = d.MIB
 
 
 class AssignBuckets(Exercise):
@@ -65,14 +63,9 @@ class AssignBuckets(Exercise):
     def rank_run(link, learner, inputs):
         assign, out = learner["main"], []
         for case in inputs["cases"]:
-            params = [torch.nn.Parameter(torch.zeros(n, dtype=_DTYPES[case["dtype"]]))
-                      for n in case["sizes"]]
+            params = d.zero_params(case["sizes"], case["dtype"])
             begin(link, case["crit"])
-            got = assign(params, case["cap"])
-            try:
-                out.append([[int(i) for i in b] for b in got])
-            except TypeError:
-                out.append({"type": type(got).__name__})
+            out.append(d.index_lists(assign(params, case["cap"])))
         return out
 
     def judge(self, ws, inputs, outputs, events):
@@ -80,14 +73,12 @@ class AssignBuckets(Exercise):
 
         recs = []
         for case, got in zip(inputs[0]["cases"], outputs[0]):
-            size = {"float32": 4, "float16": 2, "float64": 8}[case["dtype"]]
-            nbytes = [n * size for n in case["sizes"]]
+            nbytes = d.case_nbytes(case)
             name = (f"{len(nbytes)} {case['dtype']} params of {case['sizes']} elements, cap "
                     f"{case['cap'] * MIB:g} bytes")
             want = oracles.buckets(nbytes, case["cap"])
-            if not isinstance(got, list):
-                recs.append(Record(case["crit"], False, f"expected a list of lists of indices, "
-                                   f"got {got['type']}", name))
+            if (wrong := d.not_index_lists(got, case["crit"], name)) is not None:
+                recs.append(wrong)
                 continue
             flat = [i for b in got for i in b]
             recs.append(Record("reverse_order", flat == sorted(flat, reverse=True),

@@ -5,48 +5,18 @@ torch DDP gives the bucket that is all-reduced first a smaller cap
 default), so communication starts early in backward; every later bucket closes
 at ``bucket_cap_mb``. Parameters that never get a gradient
 (``requires_grad=False``) are in no bucket. The expected assignment comes from
-an independent rule (:func:`expected_buckets_with_first`); the tests compare
+an independent rule (:func:`dpcourse.grading.oracles.buckets_with_first`); the tests compare
 that rule with torch's own ``dist._compute_bucket_assignment_by_size`` and with
 the buckets a real torch DDP run all-reduces.
 """
 
 from __future__ import annotations
 
-import torch
-
+from dpcourse.grading.checks import ddp_common as d
 from dpcourse.grading.checks.base import Exercise, Record, begin
 from dpcourse.grading.criteria import Criterion, no_delegation
 
-MIB = 2**20
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def close_by_caps(order, nbytes, caps) -> list[list[int]]:
-    """Fill buckets along ``order``; bucket k closes once it holds >= caps[min(k, last)] bytes."""
-    buckets, current, size = [], [], 0
-    for i in order:
-        current.append(i)
-        size += nbytes[i]
-        if size >= caps[min(len(buckets), len(caps) - 1)]:
-            buckets.append(current)
-            current, size = [], 0
-    return buckets + ([current] if current else [])
-
-
-def expected_buckets_with_first(nbytes, trainable, bucket_cap_mb, first_bucket_mb):
-    """Return torch DDP's buckets, in the order it all-reduces them.
-
-    Args:
-        nbytes: bytes of every parameter, in registration order (frozen ones included).
-        trainable: whether each parameter requires a gradient.
-        bucket_cap_mb: cap of every bucket after the first, in MiB.
-        first_bucket_mb: cap of the first bucket, in MiB.
-
-    Returns:
-        Lists of indices into the parameters; frozen parameters are in none.
-    """
-    order = [i for i in reversed(range(len(nbytes))) if trainable[i]]
-    return close_by_caps(order, nbytes, [first_bucket_mb * MIB, bucket_cap_mb * MIB])
+MIB = d.MIB
 
 
 class FirstBucket(Exercise):
@@ -97,30 +67,25 @@ class FirstBucket(Exercise):
     def rank_run(link, learner, inputs):
         assign, out = learner["main"], []
         for case in inputs["cases"]:
-            params = [torch.nn.Parameter(torch.zeros(n, dtype=_DTYPES[case["dtype"]]),
-                                         requires_grad=i not in case["frozen"])
-                      for i, n in enumerate(case["sizes"])]
+            params = d.zero_params(case["sizes"], case["dtype"], case["frozen"])
             begin(link, "matches_torch_rule")
             got = assign(params, bucket_cap_mb=case["cap"], first_bucket_mb=case["first"])
-            try:
-                out.append([[int(i) for i in b] for b in got])
-            except TypeError:
-                out.append({"type": type(got).__name__})
+            out.append(d.index_lists(got))
         return out
 
     def judge(self, ws, inputs, outputs, events):
+        from dpcourse.grading.oracles import buckets_with_first, close_by_caps
+
         recs = []
         for case, got in zip(inputs[0]["cases"], outputs[0]):
-            size = {"float32": 4, "float64": 8}[case["dtype"]]
-            nbytes = [n * size for n in case["sizes"]]
+            nbytes = d.case_nbytes(case)
             trainable = [i not in case["frozen"] for i in range(len(nbytes))]
             name = (f"{case['sizes']} elements of {case['dtype']}"
                     + (f", frozen {case['frozen']}" if case["frozen"] else "")
                     + f", cap {case['cap'] * MIB:g} B, first {case['first'] * MIB:g} B")
-            want = expected_buckets_with_first(nbytes, trainable, case["cap"], case["first"])
-            if not isinstance(got, list):
-                recs.append(Record("matches_torch_rule", False, f"expected a list of lists of "
-                                   f"indices, got {got['type']}", name))
+            want = buckets_with_first(nbytes, trainable, case["cap"], case["first"])
+            if (wrong := d.not_index_lists(got, "matches_torch_rule", name)) is not None:
+                recs.append(wrong)
                 continue
             flat = [i for b in got for i in b]
             expected_members = sorted(i for b in want for i in b)

@@ -17,10 +17,10 @@ from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
 from dpcourse.grading.checks.base import Exercise, Record, begin
-from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
-MIB = 2**20
+MIB = d.MIB
 CAPS = (700 / MIB, 0.0)
 
 
@@ -51,18 +51,6 @@ def arrival_order() -> list[int]:
     x, y = torch.randn(d.BATCH, d.IN), torch.randn(d.BATCH, d.OUT)
     nn.functional.mse_loss(model(x), y).backward()
     return order
-
-
-def arrival_buckets(order, nbytes, bucket_cap_mb: float) -> list[list[int]]:
-    """Fill buckets along ``order``; a bucket closes once it holds >= the cap (bytes)."""
-    cap, buckets, current, size = bucket_cap_mb * MIB, [], [], 0
-    for i in order:
-        current.append(i)
-        size += nbytes[i]
-        if size >= cap:
-            buckets.append(current)
-            current, size = [], 0
-    return buckets + ([current] if current else [])
 
 
 class ArrivalOrderDDP(Exercise):
@@ -110,14 +98,7 @@ class ArrivalOrderDDP(Exercise):
             model = make_model(inputs["seed"])
             begin(link, f"run {i}: construction")
             wrapped = cls(model, **kwargs)
-
-            def on_grad(grad):  # backward reached the first layer; the gradient is unchanged
-                link.mark("first_layer_backward")
-
-            def mark(module, args, output):
-                if output.requires_grad:
-                    output.register_hook(on_grad)
-            model.inp.register_forward_hook(mark)
+            d.mark_first_layer(link, model.inp)
             optimizer = torch.optim.SGD(model.parameters(), lr=d.LR)
             run = {"params": []}
             for step, micro in enumerate(inputs["batches"]):
@@ -138,44 +119,26 @@ class ArrivalOrderDDP(Exercise):
         tol_ddp, tol_one = (tolerance("gloo", torch.float32, k) for k in ("vs_ddp", "vs_single"))
         recs = []
         for i, cap in enumerate(CAPS):
-            want = [sum(nbytes[j] for j in b) for b in arrival_buckets(order, nbytes, cap)]
+            want = [sum(nbytes[j] for j in b)
+                    for b in oracles.close_by_caps(order, nbytes, [cap * MIB])]
             for r in range(ws):
                 case = f"bucket_cap_mb={cap:g} ({cap * MIB:g} bytes), rank {r}"
                 run = outputs[r]["runs"][i]
                 for step in range(d.STEPS):
-                    bad = [(n, m) for n, a, b in zip(names, run["params"][step],
-                                                     ref["ddp"]["params"][step])
-                           if (m := mismatch(a, b, *tol_ddp))]
-                    recs.append(Record("matches_torch_ddp", not bad, f"after step {step}, "
-                                       f"{bad[0][0]}: {bad[0][1]}" if bad else "", case))
-                bad = [(n, m) for n, a, b in zip(names, run["params"][-1],
-                                                 ref["single"]["params"][-1])
-                       if (m := mismatch(a, b, *tol_one))]
-                recs.append(Record("matches_single_process", not bad, f"{bad[0][0]}: {bad[0][1]}"
-                                   if bad else "", case))
+                    bad = d.first_mismatch(names, run["params"][step], ref["ddp"]["params"][step],
+                                           tol_ddp)
+                    recs.append(Record("matches_torch_ddp", not bad, f"after step {step}, {bad}"
+                                       if bad else "", case))
+                bad = d.first_mismatch(names, run["params"][-1], ref["single"]["params"][-1],
+                                       tol_one)
+                recs.append(Record("matches_single_process", not bad, bad, case))
                 for step in range(1, d.STEPS):
-                    recs += self._structure(d.step_events(events[r], i, step), want,
-                                            f"{case}, step {step}")
-        return recs
-
-    @staticmethod
-    def _structure(events, want, case) -> list:
-        order = [e for e in events if e["op"] in ("all_reduce", "wait", "mark")]
-        colls = [k for k, e in enumerate(order) if e["op"] == "all_reduce"]
-        got = [order[k]["nbytes"] for k in colls]
-        recs = [Record("buckets_follow_arrival", got == want, f"all-reduce sizes in issue order "
-                       f"{got} bytes, the arrival order's buckets are {want}", case)]
-        marks = [k for k, e in enumerate(order) if e.get("label") == "first_layer_backward"]
-        recs.append(Record("starts_during_backward", bool(colls and marks and colls[0] < marks[-1]),
-                           "no all-reduce was issued before backward reached the first layer",
-                           case))
-        waits = [k for k, e in enumerate(order) if e["op"] == "wait"]
-        detail = ""
-        if any(not order[k]["async_op"] for k in colls):
-            detail = "an all-reduce was blocking (async_op=False)"
-        elif colls and waits and waits[0] < colls[-1]:
-            detail = "a bucket was waited on before the next bucket was issued"
-        recs.append(Record("no_serialising_wait", not detail, detail, case))
+                    got, overlap = d.overlap_records(d.step_events(events[r], i, step),
+                                                     f"{case}, step {step}")
+                    recs.append(Record("buckets_follow_arrival", got == want, f"all-reduce sizes "
+                                       f"in issue order {got} bytes, the arrival order's buckets "
+                                       f"are {want}", f"{case}, step {step}"))
+                    recs += overlap
         return recs
 
     def explain(self, text):
