@@ -283,7 +283,7 @@ def test_scan_refuses_escape_hatches_and_accepts_the_solutions():
                  "imports gc", "calls open()"):
         assert what in found, what
     from dpcourse.grading.checks import for_notebook
-    from dpcourse.grading.runner import _check_call_names
+    from dpcourse.grading.inprocess_grade import _check_call_names
     from dpcourse.grading.submission import from_notebook
 
     for path in sorted((ROOT / "solutions").glob("*.ipynb")):

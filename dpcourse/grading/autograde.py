@@ -33,7 +33,8 @@ from dpcourse.grading import procs
 from dpcourse.grading.checks import for_notebook
 from dpcourse.grading.report import CheckResult, CriterionResult, strip_ansi
 from dpcourse.grading.checks import Exercise
-from dpcourse.grading.runner import SKIP_ENV, grade_in_process, run_check
+from dpcourse.grading.inprocess_grade import grade_in_process
+from dpcourse.grading.runner import SKIP_ENV, run_check
 from dpcourse.grading.submission import extract
 
 KERNEL_START = 60.0  # seconds for the kernel to come up, on top of the notebook's time limit

@@ -201,13 +201,13 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
             show(result)
         return result
     if not isinstance(spec, Exercise):
-        from dpcourse.grading import inprocess
+        from dpcourse.grading import inprocess_run
 
         allowed = {c.requires for c in spec.criteria if c.requires}
         if set(extras) - allowed:
             raise TypeError(f"check({name!r}) got unexpected keyword(s) "
                             f"{sorted(set(extras) - allowed)}; it accepts {sorted(allowed) or 'none'}.")
-        result = inprocess.run_check(spec, obj, extras, world_sizes=world_sizes, timeout=timeout,
+        result = inprocess_run.run_check(spec, obj, extras, world_sizes=world_sizes, timeout=timeout,
                                      backend=backend)
         if not quiet:
             show(result)
@@ -241,98 +241,3 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
     if not quiet:
         show(result)
     return result
-
-
-def _check_call_names(cells: list[tuple[str, str]], sources: list[tuple[str, str]],
-                      name: str) -> dict | None:
-    """``{role: notebook name}`` from the notebook's own ``check(name, f, key=g)`` call."""
-    import ast
-
-    found = None
-    for _, source in sources:
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "check" and len(node.args) >= 2
-                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == name
-                    and isinstance(node.args[1], ast.Name)):
-                found = {"main": node.args[1].id}
-                found.update({k.arg: k.value.id for k in node.keywords
-                              if k.arg and isinstance(k.value, ast.Name)})
-    return found
-
-
-def grade_in_process(spec, cells: list[tuple[str, str]], sources: list[tuple[str, str]],
-                     problems: list[str] | None = None, timeout: float = 900.0) -> CheckResult:
-    """Grade a check that still runs beside the learner's code, in a process of the grader's.
-
-    The definitions come from the notebook's cells (after the static scan); the
-    check picks its own world sizes; the result comes back through a pipe only
-    this process reads and is rebuilt here from the check's own criteria.
-    """
-    import json
-    import subprocess
-    import sys
-
-    from dpcourse.grading import procs
-    from dpcourse.grading.criteria import NO_DEADLOCK as DEAD, NO_DELEGATION as DELEG
-
-    t0 = time.perf_counter()
-    allowed = [c for c in spec.criteria] + [DELEG] + ([DEAD] if spec.in_rank else [])
-    notes = list(problems or []) + list(spec.notes) + [
-        "in-process check: it runs beside your code; the grader runs it in a process of its "
-        "own on the definitions from your notebook"]
-
-    def zero(why: str) -> CheckResult:
-        return CheckResult(spec.name, spec.exercise, spec.title, [
-            CriterionResult(c.name, c.description, False, why, "") for c in allowed],
-            spec.points, time.perf_counter() - t0, notes)
-
-    names = _check_call_names(cells, sources, spec.name)
-    if names is None:
-        return zero(f"the notebook never calls check({spec.name!r}, ...) on a definition")
-    findings = policy_findings(cells, list(names.values()), getattr(spec, "allowed_imports", {}),
-                               spec.forbid_torch_ddp)
-    if findings:
-        result = zero("not run: your code uses what graded code may not use (see no_delegation)")
-        result.criterion(DELEG.name).detail = "your code " + "; ".join(findings)
-        return result
-    from dpcourse.grading.inprocess import spec_path
-
-    read, write = os.pipe()
-    before = {p.pid for p in procs.psutil.Process().children()}
-    proc = subprocess.Popen([sys.executable, "-m", "dpcourse.grading.inprocess", str(write)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, pass_fds=(write,), start_new_session=True)
-    os.close(write)
-    try:
-        proc.stdin.write(json.dumps({"spec": spec_path(spec), "cells": cells,
-                                     "names": names}).encode())
-        proc.stdin.close()
-        proc.wait(timeout=timeout)
-        with os.fdopen(read, "rb") as f:
-            raw = f.read(1 << 22)
-        got = json.loads(raw or b"{}")
-    except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
-        got = {"error": f"the check did not finish ({type(exc).__name__})"}
-    finally:
-        procs.kill_tree([proc.pid])
-        procs.kill_new_children(before)
-    if "criteria" not in got:
-        return zero(strip_ansi(str(got.get("error", "the check returned nothing"))))
-    by_name = {c.get("name"): c for c in got["criteria"] if isinstance(c, dict)}
-    criteria = []
-    for c in allowed:
-        r = by_name.get(c.name)
-        if r is None:
-            criteria.append(CriterionResult(c.name, c.description, False, "not checked", ""))
-        else:
-            criteria.append(CriterionResult(c.name, c.description, r.get("passed") is True,
-                                            str(r.get("detail", ""))[:2000],
-                                            "" if r.get("passed") is True else c.hint))
-    notes += [strip_ansi(str(n))[:500] for n in got.get("notes", [])[:5]]
-    return CheckResult(spec.name, spec.exercise, spec.title, criteria, spec.points,
-                       time.perf_counter() - t0, notes)

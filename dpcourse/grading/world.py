@@ -2,14 +2,15 @@
 
 The grader process holds one end of a socket pair per rank; ranks have no
 other way to reach each other through torch.distributed (see
-:mod:`dpcourse.grading.shim`). This module delivers point-to-point messages,
+:mod:`dpcourse.grading.shim`). This module starts and stops the ranks and reads
+their sockets; :mod:`dpcourse.grading.relay` delivers point-to-point messages,
 computes collectives, counts each rank's bytes and keeps the order of
 everything a rank did, so structure is judged from the grader's own record.
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import os
 import selectors
 import signal
@@ -18,35 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-
-import torch
 
 from dpcourse.grading import procs, wire
+from dpcourse.grading.relay import Failure, Relay, Round
 
 _KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT")
-
-
-@dataclass
-class Failure:
-    """Why a round did not finish: ``kind`` is ``"error"``, ``"timeout"`` or ``"died"``."""
-
-    kind: str
-    text: str
-    rank: int | None = None
-    exc_type: str = ""
-    traceback: str = ""
-
-
-@dataclass
-class Round:
-    """What one round produced: per-rank outputs and the grader's record of their messages."""
-
-    world_size: int
-    outputs: list = field(default_factory=list)
-    events: list = field(default_factory=list)   # per rank: list of dicts, in order
-    failure: Failure | None = None
-    seconds: float = 0.0
 
 
 def _env(tmp: str) -> dict:
@@ -55,20 +32,6 @@ def _env(tmp: str) -> dict:
     env.update(PYTHONPATH=package_root, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1", TMPDIR=tmp, PYTHONUNBUFFERED="1")
     return env
-
-
-def _reduce(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    out = tensors[0].clone()
-    for t in tensors[1:]:
-        if op == "sum":
-            out += t
-        elif op == "product":
-            out *= t
-        elif op == "min":
-            out = torch.minimum(out, t)
-        else:
-            out = torch.maximum(out, t)
-    return out
 
 
 class World:
@@ -100,47 +63,56 @@ class World:
             self.readers.append(wire.Reader())
         self.loaded = [False] * size
 
-    def wait_ready(self, timeout: float) -> Failure | None:
-        """Wait until every rank has loaded the definitions; return why not, or None."""
-        deadline = time.monotonic() + timeout
-        ready = [False] * len(self.procs)
+    def _arrivals(self, ranks, deadline: float):
+        """Yield each rank of ``ranks`` that has bytes to read, until ``deadline`` passes."""
         sel = selectors.DefaultSelector()
-        for rank, sock in enumerate(self.socks):
-            sel.register(sock, selectors.EVENT_READ, rank)
+        for rank in ranks:
+            sel.register(self.socks[rank], selectors.EVENT_READ, rank)
         try:
-            while not all(ready):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    late = [r for r in range(len(ready)) if not ready[r]]
-                    return Failure("timeout", f"rank(s) {', '.join(map(str, late))} did not load "
-                                   f"your definitions within {timeout:g} s (top-level code that "
-                                   "does not finish?).")
+            while (left := deadline - time.monotonic()) > 0:
                 for key, _ in sel.select(min(left, 0.5)):
-                    rank = key.data
-                    try:
-                        data = self.socks[rank].recv(1 << 16)
-                    except OSError:
-                        data = b""
-                    if not data:
-                        return self._died(rank)
-                    try:
-                        messages = self.readers[rank].feed(data)
-                    except wire.ProtocolError as exc:
-                        return Failure("error", f"rank {rank}: {exc}", rank, "ProtocolError")
-                    for header, _ in messages:
-                        if header.get("t") == "ready":
-                            ready[rank] = True
-                        elif header.get("t") == "error":
-                            return Failure("error", str(header.get("text", "")), rank,
-                                           str(header.get("exc_type", "")),
-                                           str(header.get("traceback", "")))
-                        else:
-                            return Failure("error", f"rank {rank} sent "
-                                           f"{str(header.get('t'))!r} before loading",
-                                           rank, "ProtocolError")
+                    yield key.data
         finally:
             sel.close()
-        return None
+
+    def _read(self, rank: int, bufsize: int) -> list | Failure:
+        """Return the messages from ``rank`` now complete (maybe none), or why it stopped."""
+        try:
+            data = self.socks[rank].recv(bufsize)
+        except OSError:
+            data = b""
+        if not data:
+            return self._died(rank)
+        try:
+            return self.readers[rank].feed(data)
+        except wire.ProtocolError as exc:
+            return Failure("error", f"rank {rank} sent a message the grader does not accept "
+                           f"({exc}).", rank, "ProtocolError")
+
+    def wait_ready(self, timeout: float) -> Failure | None:
+        """Wait until every rank has loaded the definitions; return why not, or None."""
+        ready = [False] * len(self.procs)
+        with contextlib.closing(self._arrivals(range(len(ready)),
+                                               time.monotonic() + timeout)) as arrivals:
+            for rank in arrivals:
+                got = self._read(rank, 1 << 16)
+                if isinstance(got, Failure):
+                    return got
+                for header, _ in got:
+                    kind = header.get("t")
+                    if kind == "error":
+                        return Failure("error", str(header.get("text", "")), rank,
+                                       str(header.get("exc_type", "")),
+                                       str(header.get("traceback", "")))
+                    if kind != "ready":
+                        return Failure("error", f"rank {rank} sent {str(kind)!r} before loading",
+                                       rank, "ProtocolError")
+                    ready[rank] = True
+                if all(ready):
+                    return None
+        late = [r for r in range(len(ready)) if not ready[r]]
+        return Failure("timeout", f"rank(s) {', '.join(map(str, late))} did not load your "
+                       f"definitions within {timeout:g} s (top-level code that does not finish?).")
 
     # -- rounds ---------------------------------------------------------------
     def run_round(self, world_size: int, inputs: list, timeout: float) -> Round:
@@ -156,39 +128,25 @@ class World:
             except OSError:
                 out.failure = self._died(rank)
                 return out
-        state = _Relay(self, out)
-        deadline = t0 + timeout
-        sel = selectors.DefaultSelector()
-        for rank in range(world_size):
-            sel.register(self.socks[rank], selectors.EVENT_READ, rank)
-        try:
-            while out.failure is None and not state.finished():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    out.failure = state.timeout_failure(timeout)
+        state = Relay(self.socks, out, self.stack)
+        with contextlib.closing(self._arrivals(range(world_size), t0 + timeout)) as arrivals:
+            for rank in arrivals:
+                got = self._read(rank, 1 << 20)
+                if isinstance(got, Failure):
+                    out.failure = got
                     break
-                for key, _ in sel.select(min(left, 0.5)):
-                    rank = key.data
-                    try:
-                        data = self.socks[rank].recv(1 << 20)
-                    except OSError:
-                        data = b""
-                    if not data:
-                        out.failure = self._died(rank)
-                        break
-                    try:
-                        for header, tensors in self.readers[rank].feed(data):
-                            state.handle(rank, header, tensors)
-                            if out.failure is not None:
-                                break
-                    except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
-                        out.failure = Failure("error", f"rank {rank} sent a message the grader "
-                                              f"does not accept ({exc}).", rank,
-                                              "ProtocolError")
-                    if out.failure is not None:
-                        break
-        finally:
-            sel.close()
+                try:
+                    for header, tensors in got:
+                        state.handle(rank, header, tensors)
+                        if out.failure is not None:
+                            break
+                except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
+                    out.failure = Failure("error", f"rank {rank} sent a message the grader does "
+                                          f"not accept ({exc}).", rank, "ProtocolError")
+                if out.failure is not None or state.finished():
+                    break
+            else:  # the deadline passed
+                out.failure = state.timeout_failure(timeout)
         out.seconds = time.monotonic() - t0
         return out
 
@@ -254,146 +212,3 @@ class World:
         self.close()
 
 
-class _Relay:
-    """Deliver one round's messages and record, per rank, what it did, in order."""
-
-    def __init__(self, world: World, out: Round):
-        self.world, self.out, self.ws = world, out, out.world_size
-        self.mail = collections.defaultdict(collections.deque)   # (src, dst, tag) -> tensors
-        self.recvs = [[] for _ in range(self.ws)]                 # pending (src, tag, id)
-        self.coll_seq = [0] * self.ws
-        self.colls = collections.defaultdict(dict)               # seq -> rank -> (header, t)
-        self.done = [False] * self.ws
-        self.case = [""] * self.ws
-
-    def finished(self) -> bool:
-        return all(self.done)
-
-    def _log(self, rank: int, **event) -> None:
-        event["case"] = self.case[rank]
-        self.out.events[rank].append(event)
-
-    def _reply(self, rank: int, ident: int, tensor=None) -> None:
-        self.world.socks[rank].sendall(
-            wire.encode({"t": "done", "id": ident}, [tensor] if tensor is not None else []))
-
-    def handle(self, rank: int, header: dict, tensors: list) -> None:
-        kind = header.get("t")
-        if rank >= self.ws:
-            raise wire.ProtocolError("message from a rank outside the round")
-        if kind == "send":
-            dst = int(header["dst"])
-            if not 0 <= dst < self.ws or dst == rank or len(tensors) != 1:
-                raise wire.ProtocolError("bad send")
-            t = tensors[0]
-            self._log(rank, op="send", peer=dst, nbytes=t.numel() * t.element_size())
-            self.mail[(rank, dst, int(header.get("tag", 0)))].append(t)
-            self._match(dst)
-        elif kind == "recv":
-            src = int(header["src"])
-            if not 0 <= src < self.ws or src == rank:
-                raise wire.ProtocolError("bad recv")
-            self._log(rank, op="recv", peer=src)
-            self.recvs[rank].append((src, int(header.get("tag", 0)), int(header["id"])))
-            self._match(rank)
-        elif kind == "coll":
-            self._collective(rank, header, tensors)
-        elif kind == "wait":
-            self._log(rank, op="wait", what=str(header.get("what", "")))
-        elif kind == "mark":
-            self._log(rank, op="mark", label=str(header.get("label", "")))
-        elif kind == "begin":
-            self.case[rank] = str(header.get("case", ""))
-            self._log(rank, op="begin", label=self.case[rank])
-        elif kind == "result":
-            self.out.outputs[rank] = wire.unpack(header.get("outputs"), tensors)
-            self.done[rank] = True
-        elif kind == "error":
-            self.out.failure = Failure(
-                "error", str(header.get("text", "")), rank, str(header.get("exc_type", "")),
-                str(header.get("traceback", "")))
-        else:
-            raise wire.ProtocolError(f"unknown message {kind!r}")
-
-    def _match(self, rank: int) -> None:
-        still = []
-        for src, tag, ident in self.recvs[rank]:
-            box = self.mail[(src, rank, tag)]
-            if box:
-                t = box.popleft()
-                self._log(rank, op="delivered", peer=src, nbytes=t.numel() * t.element_size())
-                self._reply(rank, ident, t)
-            else:
-                still.append((src, tag, ident))
-        self.recvs[rank] = still
-
-    def _collective(self, rank: int, header: dict, tensors: list) -> None:
-        seq = self.coll_seq[rank]
-        self.coll_seq[rank] += 1
-        op = str(header["op"])
-        t = tensors[0] if tensors else None
-        nbytes = t.numel() * t.element_size() if t is not None else 0
-        if op == "all_gather_into_tensor":
-            nbytes *= self.ws  # as CommTrace records it: the gathered (output) buffer
-        self._log(rank, op=op, nbytes=nbytes, seq=seq, async_op=bool(header.get("async")))
-        self.colls[seq][rank] = (header, t)
-        if len(self.colls[seq]) < self.ws:
-            return
-        entries = self.colls.pop(seq)
-        kinds = {(h["op"], h.get("reduce"), h.get("src"),
-                  None if x is None else (str(x.dtype), tuple(x.shape))) for h, x in entries.values()}
-        if len(kinds) > 1:
-            desc = "; ".join(f"rank {r}: {h['op']}" + (f" of {x.numel() * x.element_size()} "
-                                                       f"bytes" if x is not None else "")
-                             for r, (h, x) in sorted(entries.items()))
-            self.out.failure = Failure(
-                "error", f"the ranks disagree on collective number {seq + 1}: {desc}. Every rank "
-                "must issue the same collectives, in the same order, with tensors of the same "
-                "size (with torch this hangs or corrupts data).", rank, "CollectiveMismatch")
-            return
-        if op == "all_reduce":
-            result = _reduce(header.get("reduce", "sum"), [entries[r][1] for r in range(self.ws)])
-        elif op == "broadcast":
-            result = entries[int(header.get("src", 0))][1]
-        elif op == "all_gather_into_tensor":
-            result = torch.cat([entries[r][1].reshape(-1) for r in range(self.ws)])
-        elif op == "reduce_scatter_tensor":
-            total = _reduce("sum", [entries[r][1].reshape(-1) for r in range(self.ws)])
-            if total.numel() % self.ws:
-                raise wire.ProtocolError("reduce_scatter_tensor of a size not divisible by "
-                                         "the world size")
-            chunks = total.chunk(self.ws)
-            for r, (h, _) in entries.items():
-                self._reply(r, int(h["id"]), chunks[r].clone())
-            return
-        else:
-            result = None
-        for r, (h, _) in entries.items():
-            self._reply(r, int(h["id"]), result)
-
-    def timeout_failure(self, timeout: float) -> Failure:
-        from dpcourse.launch.stacks import main_thread_frames
-
-        lines = []
-        waiting = [r for r in range(self.ws) if not self.done[r]]
-        for r in waiting:
-            doing = f" in case '{self.case[r]}'" if self.case[r] else ""
-            if self.recvs[r]:
-                src = self.recvs[r][0][0]
-                what = (f"waiting in recv from rank {src}, which never sent the matching "
-                        "message")
-            elif any(r in e for e in self.colls.values()):
-                seq = min(s for s, e in self.colls.items() if r in e)
-                op = self.colls[seq][r][0]["op"]
-                missing = [x for x in range(self.ws) if x not in self.colls[seq]]
-                what = (f"waiting in {op} (its collective number {seq + 1}), which rank(s) "
-                        f"{', '.join(map(str, missing))} never issued")
-            else:
-                frames = [f for f in main_thread_frames(self.world.stack(r), ("dpcourse/",))
-                          if f[0].startswith("<") and "frozen" not in f[0]]
-                where = "; ".join(f"{f[0]} line {f[1]} in {f[2]}" for f in frames[:2])
-                what = ("running your code, not waiting for any message (a loop that does not "
-                        "end, or a sleep)" + (f": {where}" if where else ""))
-            lines.append(f"rank {r}{doing}: {what}")
-        return Failure("timeout", f"world size {self.ws}: not finished after {timeout:g} s.\n"
-                       + "\n".join(lines))

@@ -1,0 +1,204 @@
+"""One round of graded ranks, as the grader sees it: messages delivered, collectives computed.
+
+:class:`Relay` is the grader's half of every ``send``, ``recv`` and collective a
+rank issues (:mod:`dpcourse.grading.shim` is the rank's half). It keeps, per
+rank and in order, what the rank did and how many bytes it sent: the record the
+checks judge structure from. :class:`dpcourse.grading.world.World` reads the
+sockets and hands each message here.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+
+from dpcourse.grading import wire
+
+
+@dataclass
+class Failure:
+    """Why a round did not finish: ``kind`` is ``"error"``, ``"timeout"`` or ``"died"``."""
+
+    kind: str
+    text: str
+    rank: int | None = None
+    exc_type: str = ""
+    traceback: str = ""
+
+
+@dataclass
+class Round:
+    """What one round produced: per-rank outputs and the grader's record of their messages."""
+
+    world_size: int
+    outputs: list = field(default_factory=list)
+    events: list = field(default_factory=list)   # per rank: list of dicts, in order
+    failure: Failure | None = None
+    seconds: float = 0.0
+
+
+def _reduce(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op == "sum":
+            out += t
+        elif op == "product":
+            out *= t
+        elif op == "min":
+            out = torch.minimum(out, t)
+        else:
+            out = torch.maximum(out, t)
+    return out
+
+
+class Relay:
+    """Deliver one round's messages and record, per rank, what it did, in order.
+
+    Args:
+        socks: the grader's end of each rank's socket.
+        out: the round being recorded.
+        stack: ``stack(rank)`` returns the rank's Python stack (for hang reports).
+    """
+
+    def __init__(self, socks: list, out: Round, stack):
+        self.socks, self.stack, self.out, self.ws = socks, stack, out, out.world_size
+        self.mail = collections.defaultdict(collections.deque)   # (src, dst, tag) -> tensors
+        self.recvs = [[] for _ in range(self.ws)]                 # pending (src, tag, id)
+        self.coll_seq = [0] * self.ws
+        self.colls = collections.defaultdict(dict)               # seq -> rank -> (header, t)
+        self.done = [False] * self.ws
+        self.case = [""] * self.ws
+
+    def finished(self) -> bool:
+        return all(self.done)
+
+    def _log(self, rank: int, **event) -> None:
+        event["case"] = self.case[rank]
+        self.out.events[rank].append(event)
+
+    def _reply(self, rank: int, ident: int, tensor=None) -> None:
+        self.socks[rank].sendall(
+            wire.encode({"t": "done", "id": ident}, [tensor] if tensor is not None else []))
+
+    def handle(self, rank: int, header: dict, tensors: list) -> None:
+        kind = header.get("t")
+        if rank >= self.ws:
+            raise wire.ProtocolError("message from a rank outside the round")
+        if kind == "send":
+            dst = int(header["dst"])
+            if not 0 <= dst < self.ws or dst == rank or len(tensors) != 1:
+                raise wire.ProtocolError("bad send")
+            t = tensors[0]
+            self._log(rank, op="send", peer=dst, nbytes=t.numel() * t.element_size())
+            self.mail[(rank, dst, int(header.get("tag", 0)))].append(t)
+            self._match(dst)
+        elif kind == "recv":
+            src = int(header["src"])
+            if not 0 <= src < self.ws or src == rank:
+                raise wire.ProtocolError("bad recv")
+            self._log(rank, op="recv", peer=src)
+            self.recvs[rank].append((src, int(header.get("tag", 0)), int(header["id"])))
+            self._match(rank)
+        elif kind == "coll":
+            self._collective(rank, header, tensors)
+        elif kind == "wait":
+            self._log(rank, op="wait", what=str(header.get("what", "")))
+        elif kind == "mark":
+            self._log(rank, op="mark", label=str(header.get("label", "")))
+        elif kind == "begin":
+            self.case[rank] = str(header.get("case", ""))
+            self._log(rank, op="begin", label=self.case[rank])
+        elif kind == "result":
+            self.out.outputs[rank] = wire.unpack(header.get("outputs"), tensors)
+            self.done[rank] = True
+        elif kind == "error":
+            self.out.failure = Failure(
+                "error", str(header.get("text", "")), rank, str(header.get("exc_type", "")),
+                str(header.get("traceback", "")))
+        else:
+            raise wire.ProtocolError(f"unknown message {kind!r}")
+
+    def _match(self, rank: int) -> None:
+        still = []
+        for src, tag, ident in self.recvs[rank]:
+            box = self.mail[(src, rank, tag)]
+            if box:
+                t = box.popleft()
+                self._log(rank, op="delivered", peer=src, nbytes=t.numel() * t.element_size())
+                self._reply(rank, ident, t)
+            else:
+                still.append((src, tag, ident))
+        self.recvs[rank] = still
+
+    def _collective(self, rank: int, header: dict, tensors: list) -> None:
+        seq = self.coll_seq[rank]
+        self.coll_seq[rank] += 1
+        op = str(header["op"])
+        t = tensors[0] if tensors else None
+        nbytes = t.numel() * t.element_size() if t is not None else 0
+        if op == "all_gather_into_tensor":
+            nbytes *= self.ws  # as CommTrace records it: the gathered (output) buffer
+        self._log(rank, op=op, nbytes=nbytes, seq=seq, async_op=bool(header.get("async")))
+        self.colls[seq][rank] = (header, t)
+        if len(self.colls[seq]) < self.ws:
+            return
+        entries = self.colls.pop(seq)
+        kinds = {(h["op"], h.get("reduce"), h.get("src"),
+                  None if x is None else (str(x.dtype), tuple(x.shape))) for h, x in entries.values()}
+        if len(kinds) > 1:
+            desc = "; ".join(f"rank {r}: {h['op']}" + (f" of {x.numel() * x.element_size()} "
+                                                       f"bytes" if x is not None else "")
+                             for r, (h, x) in sorted(entries.items()))
+            self.out.failure = Failure(
+                "error", f"the ranks disagree on collective number {seq + 1}: {desc}. Every rank "
+                "must issue the same collectives, in the same order, with tensors of the same "
+                "size (with torch this hangs or corrupts data).", rank, "CollectiveMismatch")
+            return
+        if op == "all_reduce":
+            result = _reduce(header.get("reduce", "sum"), [entries[r][1] for r in range(self.ws)])
+        elif op == "broadcast":
+            result = entries[int(header.get("src", 0))][1]
+        elif op == "all_gather_into_tensor":
+            result = torch.cat([entries[r][1].reshape(-1) for r in range(self.ws)])
+        elif op == "reduce_scatter_tensor":
+            total = _reduce("sum", [entries[r][1].reshape(-1) for r in range(self.ws)])
+            if total.numel() % self.ws:
+                raise wire.ProtocolError("reduce_scatter_tensor of a size not divisible by "
+                                         "the world size")
+            chunks = total.chunk(self.ws)
+            for r, (h, _) in entries.items():
+                self._reply(r, int(h["id"]), chunks[r].clone())
+            return
+        else:
+            result = None
+        for r, (h, _) in entries.items():
+            self._reply(r, int(h["id"]), result)
+
+    def timeout_failure(self, timeout: float) -> Failure:
+        from dpcourse.launch.stacks import main_thread_frames
+
+        lines = []
+        waiting = [r for r in range(self.ws) if not self.done[r]]
+        for r in waiting:
+            doing = f" in case '{self.case[r]}'" if self.case[r] else ""
+            if self.recvs[r]:
+                src = self.recvs[r][0][0]
+                what = (f"waiting in recv from rank {src}, which never sent the matching "
+                        "message")
+            elif any(r in e for e in self.colls.values()):
+                seq = min(s for s, e in self.colls.items() if r in e)
+                op = self.colls[seq][r][0]["op"]
+                missing = [x for x in range(self.ws) if x not in self.colls[seq]]
+                what = (f"waiting in {op} (its collective number {seq + 1}), which rank(s) "
+                        f"{', '.join(map(str, missing))} never issued")
+            else:
+                frames = [f for f in main_thread_frames(self.stack(r), ("dpcourse/",))
+                          if f[0].startswith("<") and "frozen" not in f[0]]
+                where = "; ".join(f"{f[0]} line {f[1]} in {f[2]}" for f in frames[:2])
+                what = ("running your code, not waiting for any message (a loop that does not "
+                        "end, or a sleep)" + (f": {where}" if where else ""))
+            lines.append(f"rank {r}{doing}: {what}")
+        return Failure("timeout", f"world size {self.ws}: not finished after {timeout:g} s.\n"
+                       + "\n".join(lines))
