@@ -49,12 +49,13 @@ def main(fd: int) -> None:
 
     from dpcourse.grading import shim, wire
     from dpcourse.grading.graded_imports import make_builtins, rebind
+    from dpcourse.grading.link import Link
     from dpcourse.grading.checks import get_spec
     from dpcourse.grading.submission import load
 
     header, _ = wire.recv_blocking(sock)
     spec = get_spec(header["check"])
-    link = shim.Link(sock)
+    link = Link(sock)
     dist = shim.DistModule(link, spec.dist_api, spec.dist_why)
 
     def fail(exc: BaseException, during: str) -> None:
