@@ -328,6 +328,19 @@ def test_points_are_weighted_capped_and_gated():
     assert CheckResult("x", "01", "X", [CriterionResult("a", "", True, weight=1e9)]).points == 10
 
 
+def test_gradebook_rows_of_a_check_add_up_to_its_points():
+    from dpcourse.grading.gradebook import criterion_points, split_points
+
+    # seven equal criteria: 10/7 each, rounded, would add up to 10.01
+    crit = [CriterionResult(str(i), "", i != 3) for i in range(7)]
+    row = CheckResult("x", "01", "X", crit).to_dict()
+    pts = criterion_points(row)
+    assert pts[3] == 0 and abs(sum(pts) - row["points"]) < 1e-9 and row["points"] == 8.6
+    assert all(abs(p - 10 / 7) < 0.05 for i, p in enumerate(pts) if i != 3)  # points: to 0.1
+    assert abs(sum(split_points(10, [1] * 7)) - 10) < 1e-9
+    assert split_points(10, [0, 2, 0, 2]) == [0.0, 5.0, 0.0, 5.0]
+
+
 def test_report_renders_text_html_and_json_without_ansi():
     result = CheckResult("demo", "04", "Demo", [
         CriterionResult("ok_one", "holds", True),

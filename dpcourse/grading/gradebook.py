@@ -52,14 +52,27 @@ def write_json(report: dict, path: str) -> None:
     _atomic_write(path, json.dumps(report, indent=2))
 
 
+def split_points(amount: float, weights: list[float]) -> list[float]:
+    """Share ``amount`` in proportion to ``weights``, to 0.01, adding up to ``amount`` exactly.
+
+    Each share is rounded; the last share with a weight takes what rounding left over,
+    so that a gradebook's rows sum to the points reported for their check.
+    """
+    total = sum(weights)
+    if not total:
+        return [0.0] * len(weights)
+    shares = [round(amount * w / total, 2) for w in weights]
+    last = max(i for i, w in enumerate(weights) if w)
+    shares[last] = round(amount - sum(shares[:last]) - sum(shares[last + 1:]), 2)
+    return shares
+
+
 def criterion_points(row: dict) -> list[float]:
     """Each criterion's share of the check's points (zero everywhere when a gate failed)."""
     crits = row["criteria"]
-    total = sum(c["weight"] for c in crits) or 1.0
     if row["points"] == 0:
         return [0.0] * len(crits)
-    return [round(row["max_points"] * c["weight"] / total, 2) if c["passed"] else 0.0
-            for c in crits]
+    return split_points(row["points"], [c["weight"] if c["passed"] else 0.0 for c in crits])
 
 
 def write_csv(report: dict, path: str) -> None:
@@ -71,11 +84,10 @@ def write_csv(report: dict, path: str) -> None:
     w.writerow(["submission", "notebook", "exercise", "check", "criterion", "weight", "passed",
                 "points", "max_points", "detail"])
     for row in report["results"]:
-        total = sum(c["weight"] for c in row["criteria"]) or 1.0
-        for c, pts in zip(row["criteria"], criterion_points(row)):
+        most = split_points(row["max_points"], [c["weight"] for c in row["criteria"]])
+        for c, pts, top in zip(row["criteria"], criterion_points(row), most):
             w.writerow([row["submission"], row["notebook"], row["exercise"], row["check"],
-                        c["name"], c["weight"], int(c["passed"]), pts,
-                        round(row["max_points"] * c["weight"] / total, 2),
+                        c["name"], c["weight"], int(c["passed"]), pts, top,
                         strip_ansi(c["detail"]).splitlines()[0] if c["detail"] else ""])
     _atomic_write(path, buf.getvalue())
 
