@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import sys
 
 from dpcourse.argtypes import (Parser, UsageError, notebook_path, positive_int,
@@ -124,10 +125,25 @@ def launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_termination() -> None:
+    """Turn SIGTERM and SIGHUP into ``SystemExit``, so that the grader's clean-up runs.
+
+    Every kernel and rank the grader starts lives in its own session: a signal sent
+    to the grader alone never reaches them. Left to the default action, ``kill``
+    would end the grader without its ``finally`` blocks and leave them all running.
+    """
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def grade(args: argparse.Namespace) -> int:
     """Run ``dpcourse grade``: grade, print the table, write the files asked for; 2 on bad input."""
     from dpcourse.grading import autograde, gradebook
 
+    _exit_on_termination()
     try:
         report = autograde.grade(args.paths, timeout=args.timeout, feedback=args.feedback)
     except autograde.UsageError as exc:

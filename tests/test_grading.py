@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -228,6 +229,31 @@ def test_hanging_and_dying_notebooks_are_stopped_and_the_next_is_graded(tmp_path
     assert points == {"09_a": 0, "09_b": 10, "09_c": 0, "09_d": 0, "09_e": 10}
     assert status["09_e"]["status"] == "ok"
     assert "cell 2 was still running" in status["09_b"]["message"]
+    assert not _leftovers(marker)
+
+
+@pytest.mark.timeout(300)
+def test_a_terminated_grader_stops_its_kernel_and_ranks(tmp_path):
+    """``kill <grader>`` (SIGTERM) ends the grade and everything it started, not the grader alone."""
+    marker = uuid.uuid4().hex
+    _write(tmp_path / "nbs", "09_ranks.ipynb", notebooks.launches_ranks_and_hangs(marker))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    grader = subprocess.Popen([sys.executable, "-m", "dpcourse.cli", "grade",
+                               str(tmp_path / "nbs"), "--timeout", "600"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 200
+        # The notebook's sleeper, its detached grandchild and both ranks are running.
+        while len(_leftovers(marker)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(_leftovers(marker)) >= 4, _leftovers(marker)
+        grader.terminate()
+        assert grader.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if grader.poll() is None:
+            grader.kill()
     assert not _leftovers(marker)
 
 

@@ -13,7 +13,8 @@ lines inside a function body::
 The exercise keeps the signature and docstring and gets
 ``raise NotImplementedError("Exercise 04.3: write ring_all_reduce")`` instead,
 numbered by notebook and by region. Outputs are cleared, so learners start
-from a clean notebook. Run ``python -m dpcourse.grading.make_exercises`` after
+from a clean notebook. A cell tagged ``solution`` (e.g. the discussion after a
+check, which names the answer) stays in the solution only. Run ``python -m dpcourse.grading.make_exercises`` after
 editing a solution; ``--check`` only reports whether exercises/ is up to date.
 """
 
@@ -26,6 +27,7 @@ import re
 import sys
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+SOLUTION_TAG = "solution"
 _DEF = re.compile(r"^\s*(?:async\s+)?def\s+(\w+)\s*\(")
 
 
@@ -77,6 +79,7 @@ def generate(solution_path: str):
     nb = nbformat.read(solution_path, as_version=4)
     label = os.path.basename(solution_path).split("_", 1)[0]
     exercise = copy.deepcopy(nb)
+    exercise.cells = [c for c in exercise.cells if SOLUTION_TAG not in c.metadata.get("tags", [])]
     region = 1
     for i, cell in enumerate(exercise.cells):
         if cell.cell_type != "code":
