@@ -138,7 +138,7 @@ def _torch_ddp_join(seeds, cases):
     from torch import nn
     from torch.distributed.algorithms.join import Join
 
-    from dpcourse.grading.checks import ex10_join as ex
+    from dpcourse.grading.checks import join_rank as ex
 
     rank, out = dist.get_rank(), []
     for batches, divide in cases:
@@ -159,7 +159,8 @@ def _torch_ddp_join(seeds, cases):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_reference_is_what_torch_ddp_under_join_does(world_size):
     import dpcourse
-    from dpcourse.grading.checks import ex10_join as ex
+    from dpcourse.grading.checks import join_rank as ex
+    from dpcourse.grading.checks.join_verdicts import join_reference
 
     g = torch.Generator().manual_seed(world_size)
     cases = []
@@ -171,7 +172,7 @@ def test_the_reference_is_what_torch_ddp_under_join_does(world_size):
     seeds = [100 + r for r in range(world_size)]
     runs = dpcourse.run(_torch_ddp_join, seeds, cases, world_size=world_size, timeout=120)
     for k, (batches, divide) in enumerate(cases):
-        ref = ex.join_reference(seeds[0], batches, divide)
+        ref = join_reference(seeds[0], batches, divide)
         for rank, run in enumerate(runs):
             got = run[k]
             for step, grads in enumerate(got["grads"]):  # the steps this rank had data for
