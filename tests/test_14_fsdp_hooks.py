@@ -70,6 +70,8 @@ def test_forgetting_the_backward_gather_is_stopped_before_a_crash_and_named():
     assert "holds no memory" in crit.detail and "output" in crit.hint
     assert "matches_single_process" in result.failed()
     assert result.criterion("gathers_before_forward").passed  # the forward was right
+    # backward's collectives never ran: not credited on the forward's evidence alone
+    assert "not checked" in result.criterion("collectives_as_fsdp").detail
 
 
 def test_a_new_buffer_for_backward_does_not_reach_what_autograd_saved():

@@ -121,7 +121,10 @@ def _judge_rank(ws, r, run, held, ref, out, events) -> list:
             got = [(e["op"], e["nbytes"]) for e in events_of(
                 events, f"{name}, step {step}: {phase}") if e["op"] not in ("mark", "wait")]
             if phase == "backward" and "after_backward" not in rec:
-                continue  # the step was stopped
+                # The step was stopped before its backward collectives: no evidence, no credit.
+                recs.append(Record("collectives_as_fsdp", False, "backward: not checked, the "
+                                   "step stopped before its collectives ran", label))
+                continue
             why = compare_collectives(got, expected[phase])
             recs.append(Record("collectives_as_fsdp", not why, f"{phase}: {why}", label))
         later = [e for e in events_of(events, f"{name}, step {step}: optimizer step")
