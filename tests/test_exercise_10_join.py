@@ -72,6 +72,10 @@ def test_the_exercise_as_handed_out_scores_zero_at_once(wrapper):
     result = check("join_shadow", wrapper("exercises"), quiet=True)
     assert result.points == 0
     assert "Exercise 10." in result.notes[0]  # the stub's message: what to write first
+    # The hint points at the stub, not at a cause (main_hook's shadows) the run never reached.
+    from dpcourse.grading.runner import STUB_HINT
+
+    assert [c.hint for c in result.criteria if c.hint] == [STUB_HINT]
     assert time.monotonic() - t0 < 10  # a stub starts no rank
 
 

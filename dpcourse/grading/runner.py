@@ -35,6 +35,10 @@ def _failure_text(failure: Failure, ws: int | None) -> str:
     return strip_ansi(text)
 
 
+STUB_HINT = ("Your code reached a part that is not written yet (the note above names it): write "
+             "it, then grade again. The criteria are judged once the code runs through.")
+
+
 def _merge(spec: Exercise, names: dict, defined: set, records: list[Record],
            failure: tuple[int | None, Failure] | None, findings: list[str]) -> list[CriterionResult]:
     results: dict[str, CriterionResult] = {}
@@ -42,6 +46,7 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[Record],
     if failure is not None:
         stopped = _failure_text(failure[1], failure[0]).splitlines()[0]
     first_own = spec.criteria[0].name
+    stub = failure is not None and failure[1].exc_type == NOT_IMPLEMENTED
     for c in spec.criteria:
         bad = [r for r in records if r.criterion == c.name and not r.passed]
         seen = [r for r in records if r.criterion == c.name]
@@ -77,7 +82,11 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[Record],
             r.passed, r.gate = False, False  # not earned, but nothing was refused either
             r.detail = f"not credited: counts once {', '.join(blocked)} passes"
         quiet = r.detail.startswith(("not checked", "checked only in part", "not credited"))
-        if not r.passed and not quiet:
+        if not r.passed and not quiet and stub:
+            # The run stopped at a stub, whichever part it is: this criterion's own hint
+            # would name a cause the learner's code never reached.
+            r.hint = STUB_HINT
+        elif not r.passed and not quiet:
             r.hint = c.hint
             extra = spec.explain(r.detail)
             if extra and extra not in r.hint:
