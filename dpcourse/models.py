@@ -152,7 +152,33 @@ class GPT(nn.Module):
             # residual stream's variance does not grow with depth.
             for name, p in self.named_parameters():
                 if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                    nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+                    nn.init.normal_(p, 0.0, self._residual_std())
+
+    def _residual_std(self) -> float:
+        return 0.02 / math.sqrt(2 * self.cfg.n_layer)
+
+    def init_fn(self):
+        """Return ``init(module)``: this GPT's initialisation of one module's own parameters.
+
+        For a GPT built under ``torch.device("meta")`` and materialised one module at a
+        time (e.g. ``FullyShardedDataParallel(gpt, param_init_fn=gpt.init_fn())``): the
+        same distributions as the constructor (normal(0, 0.02), residual projections
+        scaled by 1/sqrt(2 * n_layer), zero biases, LayerNorm ones and zeros), not the
+        same numbers, since the random draws come in another order.
+        """
+        residual = {id(m) for name, m in self.named_modules()
+                    if name.endswith(("attn.proj", "mlp.2"))}
+        std = self._residual_std()
+
+        def init(m: nn.Module) -> None:
+            if not isinstance(m, (nn.Linear, nn.Embedding)):
+                m.reset_parameters()  # type: ignore[operator]  # LayerNorm: ones and zeros
+                return
+            self._init_weights(m)
+            if id(m) in residual:
+                nn.init.normal_(m.weight, 0.0, std)
+
+        return init
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -10,7 +10,11 @@ ranks, ``16 / N`` plus one gathered unit. The layer count is what grows.
 * FSDP on all ranks: peak memory is measured at two small layer counts, the
   per-layer slope extrapolated to ``fill`` of the device, and that layer count
   is then trained for real. (Bisection by out-of-memory would leave the other
-  ranks waiting inside a collective.)
+  ranks waiting inside a collective.) The GPT is built on the meta device and
+  materialised by FSDP one unit at a time (rank 0 initialises each unit and
+  sends the shards), so that construction never needs the whole model on one
+  GPU; the peak of construction and that of training are recorded apart, and
+  the extrapolation uses the larger of the two.
 """
 
 from __future__ import annotations
@@ -32,8 +36,13 @@ def _cfg(n_layer: int, width: int, seq_len: int):
 
 
 def _train_peak(variant: str, n_layer: int, width: int, seq_len: int, device, group,
-                steps: int = 2) -> int:
-    """Train ``steps`` steps; return the peak bytes allocated (raises torch.OutOfMemoryError)."""
+                steps: int = 2) -> dict:
+    """Build, then train ``steps`` steps (raises torch.OutOfMemoryError).
+
+    Returns:
+        ``{"build": peak bytes allocated while building, "train": peak bytes allocated
+        while training}`` (both absolute: what was held counts).
+    """
     from dpcourse.models import random_tokens
 
     cfg = _cfg(n_layer, width, seq_len)
@@ -41,12 +50,16 @@ def _train_peak(variant: str, n_layer: int, width: int, seq_len: int, device, gr
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     idx, targets = (t.to(device) for t in random_tokens(1, cfg, seed=0))
-    model, opt, amp, _ = build_variant(variant, cfg, device, group=group)
+    model, opt, amp, _ = build_variant(variant, cfg, device, group=group,
+                                       from_meta=variant == "fsdp")
+    torch.cuda.synchronize(device)
+    build = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     step = make_step(model, opt, idx, targets, amp)
     for _ in range(steps):
         step()
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = {"build": build, "train": torch.cuda.max_memory_allocated(device)}
     del model, opt, step
     return peak
 
@@ -84,8 +97,10 @@ def model_capacity(*, width: int = 2048, seq_len: int = 256, fill: float = 0.95)
         fill: fraction of the device's memory the FSDP extrapolation aims at.
 
     Returns:
-        ``{"ddp_layers", "ddp_params", "fsdp_layers", "fsdp_params", "fsdp_peak_bytes",
-        "fsdp_fit": {layers: peak}, "device_bytes", "world_size"}``.
+        ``{"ddp_layers", "ddp_params", "fsdp_layers", "fsdp_params", "fsdp_peak_bytes"
+        (the larger of construction and training), "fsdp_build_peak_bytes",
+        "fsdp_train_peak_bytes", "fsdp_fit": {layers: peak}, "fsdp_fit_phases":
+        {layers: {"build", "train"}}, "device_bytes", "world_size"}``.
     """
     device = rank_device()
     torch.cuda.set_device(device)
@@ -94,7 +109,8 @@ def model_capacity(*, width: int = 2048, seq_len: int = 256, fill: float = 0.95)
     out: dict = {"world_size": world, "width": width, "seq_len": seq_len,
                  "device_bytes": torch.cuda.get_device_properties(device).total_memory}
     # FSDP first: the bisection's failed attempts can leave the allocator fragmented.
-    fit = {n: _train_peak("fsdp", n, width, seq_len, device, None) for n in (4, 12)}
+    phases = {n: _train_peak("fsdp", n, width, seq_len, device, None) for n in (4, 12)}
+    fit = {n: max(p.values()) for n, p in phases.items()}  # both phases must fit
     slope = (fit[12] - fit[4]) / 8
     target = int((fill * out["device_bytes"] - fit[4]) / slope) + 4
     t = torch.tensor([target], device=device)
@@ -102,7 +118,8 @@ def model_capacity(*, width: int = 2048, seq_len: int = 256, fill: float = 0.95)
     target = int(t.item())
     peak = _train_peak("fsdp", target, width, seq_len, device, None)
     out.update(fsdp_layers=target, fsdp_params=count_parameters(_cfg(target, width, seq_len)),
-               fsdp_peak_bytes=peak, fsdp_fit=fit)
+               fsdp_peak_bytes=max(peak.values()), fsdp_build_peak_bytes=peak["build"],
+               fsdp_train_peak_bytes=peak["train"], fsdp_fit=fit, fsdp_fit_phases=phases)
     gc.collect()
     torch.cuda.empty_cache()
     dist.barrier()

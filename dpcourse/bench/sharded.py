@@ -39,13 +39,32 @@ def _bytes(tensors) -> int:
 
 
 def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: float = 25.0,
-                  group=None):
+                  group=None, from_meta: bool = False):
     """Build one variant; return ``(model, optimizer, autocast_dtype_or_None, params)``.
 
     ``params`` are the tensors whose ``.grad`` holds this rank's gradient after backward.
+    ``from_meta`` (``fsdp`` only): build the GPT on the meta device and let FSDP
+    materialise it unit by unit, so that no rank ever holds the whole model. Rank 0
+    initialises each unit with :meth:`GPT.init_fn` (the same distributions as the
+    constructor, other numbers than ``GPT(cfg, seed=0)``).
     """
     from dpcourse.models import GPT
 
+    if from_meta and variant != "fsdp":
+        raise ValueError(f"from_meta=True builds only the 'fsdp' variant, not {variant!r}: "
+                         "the others hold the whole model on every rank anyway.")
+    if from_meta:
+        from dpcourse.fsdp import FullyShardedDataParallel
+
+        with torch.device("meta"):
+            model = GPT(cfg, seed=None)  # shapes only: nothing is drawn or allocated
+        gpus = [device.index if device.index is not None else 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=gpus):  # seeded, the caller's random state untouched
+            torch.manual_seed(0)
+            wrapped = FullyShardedDataParallel(model, compute_dtype=autocast_dtype(device),
+                                               group=group, param_init_fn=model.init_fn(),
+                                               device=device)
+        return wrapped, adamw(wrapped.parameters(), device), None, list(wrapped.parameters())
     with torch.device(device):  # initialise on the GPU: large models build in seconds
         model = GPT(cfg, seed=0)
     amp = autocast_dtype(device)
