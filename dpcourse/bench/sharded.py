@@ -53,6 +53,7 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
     if from_meta and variant != "fsdp":
         raise ValueError(f"from_meta=True builds only the 'fsdp' variant, not {variant!r}: "
                          "the others hold the whole model on every rank anyway.")
+    wrapped: nn.Module
     if from_meta:
         from dpcourse.fsdp import FullyShardedDataParallel
 
@@ -68,7 +69,6 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
     with torch.device(device):  # initialise on the GPU: large models build in seconds
         model = GPT(cfg, seed=0)
     amp = autocast_dtype(device)
-    wrapped: nn.Module
     if variant == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
 
