@@ -233,8 +233,9 @@ def test_hanging_and_dying_notebooks_are_stopped_and_the_next_is_graded(tmp_path
 
 
 @pytest.mark.timeout(300)
-def test_a_terminated_grader_stops_its_kernel_and_ranks(tmp_path):
-    """``kill <grader>`` (SIGTERM) ends the grade and everything it started, not the grader alone."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["kill", "ctrl-c"])
+def test_a_stopped_grader_stops_its_kernel_and_ranks(tmp_path, sig):
+    """``kill <grader>`` or Ctrl-C ends the grade and everything it started, not the grader alone."""
     marker = uuid.uuid4().hex
     _write(tmp_path / "nbs", "09_ranks.ipynb", notebooks.launches_ranks_and_hangs(marker))
     tmp = tmp_path / "tmp"
@@ -249,8 +250,9 @@ def test_a_terminated_grader_stops_its_kernel_and_ranks(tmp_path):
         while len(_leftovers(marker)) < 4 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(_leftovers(marker)) >= 4, _leftovers(marker)
-        grader.terminate()
-        assert grader.wait(timeout=60) == 128 + signal.SIGTERM
+        grader.send_signal(sig)
+        # SIGTERM exits through SystemExit(143); an uncaught KeyboardInterrupt re-raises SIGINT.
+        assert grader.wait(timeout=60) == (128 + sig if sig == signal.SIGTERM else -sig)
     finally:
         if grader.poll() is None:
             grader.kill()
