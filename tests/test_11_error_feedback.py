@@ -70,7 +70,9 @@ def test_the_exercise_scores_nothing(tmp_path):
     (hook_bugs.residual_in_bf16, {"keeps_residual", "residual_is_what_was_lost"}, "bfloat16"),
     (hook_bugs.residual_before_division, {"residual_is_what_was_lost"}, "before the division"),
     (hook_bugs.feedback_added_twice, {"compresses_corrected_gradient", "residual_is_what_was_lost"},
-     "added twice")])
+     "added twice"),
+    (hook_bugs.positional_residual, {"compresses_corrected_gradient", "residual_is_what_was_lost"},
+     "before the buckets were rebuilt")])
 def test_mistakes_fail_the_criteria_of_their_cause(bug, failed, says):
     result = check("error_feedback_hook", bug, quiet=True)
     got = set(result.failed()) & OWN
@@ -81,6 +83,19 @@ def test_mistakes_fail_the_criteria_of_their_cause(bug, failed, says):
     details = " ".join(c.detail for c in result.criteria if c.name in failed)
     assert says in details, details
     assert 0 < result.points < result.max_points
+    weights = {c.name: c.weight for c in result.criteria}
+    kept = sum(weights.values()) - sum(weights[n] for n in got)  # exactly these points lost
+    assert result.points == round(result.max_points * kept / sum(weights.values()), 1)
+
+
+def test_a_residual_kept_by_bucket_index_fails_only_on_the_rebuilt_step():
+    """The check's buckets are rebuilt after the first step, as torch DDP's are."""
+    result = check("error_feedback_hook", hook_bugs.positional_residual, quiet=True)
+    for name in ("compresses_corrected_gradient", "residual_is_what_was_lost"):
+        failing = [c for c in result.criteria if c.name == name and not c.passed]
+        assert failing, name
+        for c in failing:  # the first step matches; the one after the rebuild does not
+            assert "step 1," in c.detail and "step 0," not in c.detail, c.detail
 
 
 @pytest.fixture(scope="module", params=[2, 3])

@@ -6,9 +6,11 @@ to bfloat16, divide by the world size in bfloat16, all-reduce), but first adds
 the residual left by the previous step, and keeps what this step's compression
 lost as the new residual in ``state[bucket.index()]`` (float32).
 
-The rank plays a reducer: one flat buffer per bucket (odd sizes, one of a single
-element), refilled with this rank's gradient every step as a reducer refills its
-bucket storage, every hook launched before any result is waited for, and the
+The rank plays a reducer: one flat buffer per bucket of two or three parameters
+(odd sizes, two parameters of a single element), refilled with this rank's
+gradients every step as a reducer refills its bucket storage, rebuilt after the
+first step as torch DDP rebuilds its buckets (each bucket's parameters in
+another order, so a residual kept by position lands on other elements), every hook launched before any result is waited for, and the
 future's value copied back with our wrappers' own code
 (:func:`dpcourse.ddp.comm_hooks.finish_comm_hook`, as torch's reducer does). It
 watches what the hook hands to ``all_reduce`` and returns, per step and bucket,
@@ -19,7 +21,8 @@ which ranks cannot import):
 
 * the first step equals torch's ``bf16_compress_hook``
   (:func:`dpcourse.grading.oracles.compress_hook`, held against torch DDP in the tests);
-* what was sent is the compression of gradient + previous residual, and the
+* what was sent is the compression of gradient + previous residual, each
+  parameter's residual on that parameter's elements after the rebuild, and the
   residual is exactly what that compression lost (transmitted + new residual ==
   gradient + old residual, to float32 rounding);
 * the sum of the averaged gradients over all steps stays closer to the
@@ -32,7 +35,7 @@ import torch
 
 from dpcourse.grading.checks import feedback_reducer
 from dpcourse.grading.checks.base import Exercise
-from dpcourse.grading.checks.feedback_reducer import SIZES, STEPS, TRACKING
+from dpcourse.grading.checks.feedback_reducer import PARAMS, STEPS, TRACKING
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
 
@@ -64,9 +67,14 @@ class ErrorFeedbackHook(Exercise):
                   "bfloat16 residual rounds away the small values it exists to keep, and a view "
                   "of the bucket's buffer is overwritten by the next step's gradient."),
         Criterion("compresses_corrected_gradient", "what a rank sends is the bf16 compression of "
-                  "its gradient plus the previous step's residual, added once",
+                  "its gradient plus the previous step's residual, added once, each parameter's "
+                  "own also after the buckets are rebuilt",
                   "Before compressing, add the residual from the previous step to the gradient, "
-                  "exactly once per step; the first step starts from a zero residual.", weight=2),
+                  "exactly once per step; the first step starts from a zero residual. When the "
+                  "buckets are rebuilt (after the first step) the same index holds its "
+                  "parameters in another order: each parameter's residual must be added to that "
+                  "parameter's elements, so keep it with its parameter, not by position.",
+                  weight=2),
         Criterion("residual_is_what_was_lost", "transmitted + new residual == gradient + old "
                   "residual, on every rank, to float32 rounding",
                   "The residual is everything the rank's contribution lost: (gradient + old "
@@ -93,8 +101,8 @@ class ErrorFeedbackHook(Exercise):
         for _ in range(world_size):
             # Magnitudes over three decades; steady gradients (step-to-step noise under bf16's
             # resolution), where rounding without feedback drifts the same way every step.
-            scale = [10 ** (-3 * torch.rand(n, generator=gen)) for n in SIZES]
-            base = [torch.randn(n, generator=gen) * s for n, s in zip(SIZES, scale)]
+            scale = [10 ** (-3 * torch.rand(n, generator=gen)) for n in PARAMS]
+            base = [torch.randn(n, generator=gen) * s for n, s in zip(PARAMS, scale)]
             grads = [[b + 1e-3 * s * torch.randn(len(b), generator=gen)
                       for b, s in zip(base, scale)] for _ in range(STEPS)]
             out.append({"grads": grads})

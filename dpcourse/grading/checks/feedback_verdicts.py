@@ -14,14 +14,17 @@ import torch
 
 from dpcourse.grading import oracles
 from dpcourse.grading.checks.base import Record, events_of
-from dpcourse.grading.checks.feedback_reducer import DTYPE, SIZES, STEPS, TRACKING
+from dpcourse.grading.checks.feedback_reducer import (DTYPE, PARAMS, SIZES, STEPS, TRACKING,
+                                                      bucket_grads, layout, per_param)
 from dpcourse.grading.criteria import mismatch
 
 
 def judge(ws, inputs, outputs, events) -> list[Record]:
     """Compare every rank's buckets, residuals and bytes sent with the references."""
     recs, label = [], f"world size {ws}"
-    grads = [[[g.float() for g in step] for step in inputs[r]["grads"]] for r in range(ws)]
+    # each step's gradients laid out as that step's buckets (rebuilt after the first step)
+    grads = [[[g.float() for g in bucket_grads(step, s)] for s, step in
+              enumerate(inputs[r]["grads"])] for r in range(ws)]
     steps = [outputs[r]["steps"] for r in range(ws)]
     # First step: torch's hook on the same gradients.
     for i, n in enumerate(SIZES):
@@ -57,6 +60,9 @@ def _step(ws, grads, steps, s, i, where) -> list[Record]:
         recs.append(_residual_kept(res, got["residual_types"][i], n, here))
         old = torch.zeros(n) if s == 0 else steps[r][s - 1]["residuals"][i]
         old = torch.zeros(n) if old is None or old.numel() != n else old.float()
+        # each parameter's residual on its own elements in this step's layout; where the
+        # buckets were rebuilt, the residual as it lay (by position) is the mistake to name
+        moved = _moved(old, i, s)
         mine = [t for t in got["sent"][i] if t.numel() == n]
         if len(mine) != 1:
             detail = (f"{len(got['sent'][i])} all-reduce(s) during the hook, "
@@ -65,8 +71,8 @@ def _step(ws, grads, steps, s, i, where) -> list[Record]:
                      ("compresses_corrected_gradient", "residual_is_what_was_lost")]
             continue
         sent, g = mine[0], grads[r][s][i]
-        recs.append(_compressed(sent, g, old, ws, here))
-        recs.append(_lost(sent, res, g, old, ws, here))
+        recs.append(_compressed(sent, g, moved, old, ws, here))
+        recs.append(_lost(sent, res, g, moved, old, ws, here))
     sents = [[t for t in steps[r][s]["sent"][i] if t.numel() == n] for r in range(ws)]
     if s > 0 and all(len(x) == 1 and x[0].dtype == sents[0][0].dtype for x in sents):
         total = sents[0][0].clone()
@@ -92,7 +98,21 @@ def _residual_kept(res, kind, n, where) -> Record:
     return Record("keeps_residual", not detail, detail, where)
 
 
-def _compressed(sent, g, old, ws, where) -> Record:
+REBUILT_DETAIL = ("the previous residual was added where it lay before the buckets were rebuilt: "
+                  "under the same bucket index the parameters now come in another order, so "
+                  "each parameter's residual landed on another parameter's elements")
+
+
+def _moved(old, i, s):
+    """Bucket ``i``'s residual of step ``s - 1`` with each parameter's part in step ``s``'s order."""
+    if s == 0 or layout(s) == layout(s - 1):
+        return old
+    before, after = layout(s - 1)[i], layout(s)[i]
+    parts = dict(zip(before, old.split([PARAMS[p] for p in before])))
+    return torch.cat([parts[p] for p in after])
+
+
+def _compressed(sent, g, old, positional, ws, where) -> Record:
     def compress(x):
         return x.to(DTYPE).div_(ws)
 
@@ -102,7 +122,9 @@ def _compressed(sent, g, old, ws, where) -> Record:
     if torch.equal(sent, compress(g + old)):
         return Record("compresses_corrected_gradient", True, "", where)
     detail = mismatch(sent.float(), compress(g + old).float(), 0, 0)
-    if old.any() and torch.equal(sent, compress(g)):
+    if not torch.equal(positional, old) and torch.equal(sent, compress(g + positional)):
+        detail = REBUILT_DETAIL
+    elif old.any() and torch.equal(sent, compress(g)):
         detail = "what was sent is the gradient alone: the stored residual was never added"
     elif old.any() and torch.equal(sent, compress(g + 2 * old)):
         detail = "what was sent holds the previous residual twice: it was added twice"
@@ -114,7 +136,7 @@ def _compressed(sent, g, old, ws, where) -> Record:
     return Record("compresses_corrected_gradient", False, detail, where)
 
 
-def _lost(sent, res, g, old, ws, where) -> Record:
+def _lost(sent, res, g, old, positional, ws, where) -> Record:
     if res is None or res.numel() != g.numel():
         return Record("residual_is_what_was_lost", False, "no residual of the bucket's size "
                       "to compare", where)
@@ -125,7 +147,10 @@ def _lost(sent, res, g, old, ws, where) -> Record:
     if mismatch(res.float(), want, 0, tol) == "":
         return Record("residual_is_what_was_lost", True, "", where)
     detail = mismatch(res.float(), want, 0, tol)
-    if not res.any() and want.any():
+    if not torch.equal(positional, old) and \
+            mismatch(res.float(), g + positional - sent.float() * ws, 0, tol) == "":
+        detail = REBUILT_DETAIL
+    elif not res.any() and want.any():
         detail = "the residual is all zeros although compression lost something"
     elif mismatch(res.float(), corrected - corrected.to(DTYPE).float(), 0, tol) == "":
         detail = ("the residual was taken before the division by the world size: it misses "
@@ -146,24 +171,25 @@ def _tracking(ws, grads, steps, label) -> Record:
     all-reduce rounds again, unseen by any rank, so the applied update keeps that error.
     """
     drift, plain = [], []
-    exact = torch.zeros(sum(SIZES), dtype=torch.float64)
+    exact = torch.zeros(sum(PARAMS), dtype=torch.float64)
     applied, applied_plain = torch.zeros_like(exact), torch.zeros_like(exact)
     for r in range(ws):
         mine, theirs = torch.zeros_like(exact), torch.zeros_like(exact)
         for s in range(STEPS):
-            g = torch.cat(grads[r][s]).double()
+            # per parameter, in one order for all steps: the buckets are rebuilt after step 0
+            g = _flat(grads[r][s], s).double()
             sent = [[t for t in x if t.numel() == n] for x, n in
                     zip(steps[r][s]["sent"], SIZES)]
             if any(len(x) != 1 for x in sent):
                 return Record("tracks_uncompressed", False, "not one all-reduce of the "
                               "bucket's size per bucket and step", label)
-            mine += torch.cat([x[0] for x in sent]).double() * ws - g
-            theirs += torch.cat(grads[r][s]).to(DTYPE).div_(ws).double() * ws - g
+            mine += _flat([x[0] for x in sent], s).double() * ws - g
+            theirs += _flat(grads[r][s], s).to(DTYPE).div_(ws).double() * ws - g
         drift.append(mine), plain.append(theirs)
     for s in range(STEPS):
-        per_rank = [torch.cat(grads[r][s]) for r in range(ws)]
+        per_rank = [_flat(grads[r][s], s) for r in range(ws)]
         exact += sum(g.double() for g in per_rank) / ws
-        applied += torch.cat(steps[0][s]["results"]).double()
+        applied += _flat(steps[0][s]["results"], s).double()
         applied_plain += oracles.compress_hook(per_rank, DTYPE).double()
     ours, theirs = float(torch.cat(drift).norm()), float(torch.cat(plain).norm())
     return Record("tracks_uncompressed", ours <= TRACKING * theirs,
@@ -173,3 +199,8 @@ def _tracking(ws, grads, steps, label) -> Record:
                   f"{float((applied - exact).norm()):.3g} vs "
                   f"{float((applied_plain - exact).norm()):.3g} (the bf16 sum rounds too)",
                   label)
+
+
+def _flat(buckets, s) -> torch.Tensor:
+    """Step ``s``'s bucket tensors as one flat tensor in parameter order."""
+    return torch.cat(per_param(buckets, s))
