@@ -24,11 +24,22 @@ def sweep_worker() -> dict:
         dist.all_reduce(t, group=group)
 
     rows = allreduce_sweep([4096, 65536], {"mine": mine}, warmup=2, iters=3)
+    mine_calls = list(calls)
     rows += allreduce_sweep([4096, 65536], IMPLS, warmup=1, iters=3)
+    calls.clear()
+    queued = allreduce_sweep([4096], {"mine": mine}, warmup=1, iters=2, calls_per_trial=5)
+    queued_calls = list(calls)
+    calls.clear()
+    try:
+        allreduce_sweep([4096], {"mine": mine}, calls_per_trial=0)
+        bad = ""
+    except ValueError as exc:
+        bad = str(exc)
     order = []
     time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
                      warmup=2, iters=3)
-    return {"rows": rows, "mine_calls": calls, "order": order}
+    return {"rows": rows, "mine_calls": mine_calls, "order": order, "queued": queued,
+            "queued_calls": queued_calls, "bad_calls_per_trial": bad}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +63,16 @@ def test_sweep_rows_are_complete_and_consistent(sweep):
     for r in named:
         library = next(x for x in named if x["impl"] == "library" and x["nbytes"] == r["nbytes"])
         assert r["vs_library"] == pytest.approx(library["median_s"] / r["median_s"])
+
+
+def test_calls_per_trial_times_queued_calls_and_reports_per_call(sweep):
+    (row,) = sweep[0]["queued"]
+    # Each warm-up and each trial makes 5 back-to-back calls; times are per call.
+    assert sweep[0]["queued_calls"] == [1024] * 15
+    assert row["calls_per_trial"] == 5 and row["trials"] == 2
+    assert row["algbw"] == pytest.approx(row["nbytes"] / row["median_s"])
+    assert all(r["calls_per_trial"] == 1 for r in sweep[0]["rows"])
+    assert "at least 1" in sweep[0]["bad_calls_per_trial"]
 
 
 def test_warmup_is_run_but_not_timed_and_trials_interleave(sweep):

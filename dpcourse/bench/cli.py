@@ -70,6 +70,9 @@ def add_parser(sub) -> None:
                    "(dpcourse.comm.kernels.bench_impls)")
     p.add_argument("--dtype", default="float32",
                    choices=["float32", "float16", "bfloat16", "float64"])
+    p.add_argument("--calls-per-trial", type=positive_int, default=1,
+                   help="back-to-back calls timed together per trial (default 1: one call "
+                   "after a barrier, its latency; e.g. 20: how fast queued calls complete)")
     p.set_defaults(func=run_allreduce)
 
     p = kinds.add_parser("ddp", help="step time of the data-parallel wrappers vs torch DDP")
@@ -147,18 +150,23 @@ def run_allreduce(args: argparse.Namespace) -> int:
         raise UsageError(f"--sizes/--min-size: {min(sizes)} B is less than one {args.dtype} "
                          f"element ({element} B); use sizes of at least {element} B")
     settings = dict(sizes=sizes, impls=args.impls, iters=args.iters or 20, warmup=args.warmup,
-                    dtype=args.dtype, slow_link=args.slow_link)
+                    dtype=args.dtype, slow_link=args.slow_link,
+                    calls_per_trial=args.calls_per_trial)
     with slow_link(args.slow_link):
         env = environment(backend, world_size)
         rows = dpcourse.run(allreduce_sweep, sizes, args.impls, world_size=world_size,
                             backend=backend, timeout=args.timeout, warmup=args.warmup,
-                            iters=settings["iters"], dtype=getattr(torch, args.dtype))[0]
+                            iters=settings["iters"], dtype=getattr(torch, args.dtype),
+                            calls_per_trial=args.calls_per_trial)[0]
     table = [{"impl": r["impl"], "size": format_bytes(r["nbytes"]),
               "median": format_seconds(r["median_s"]),
               "IQR": f"{format_seconds(r['p25_s'])}..{format_seconds(r['p75_s'])}",
               "algbw GB/s": f"{r['algbw'] / 1e9:.3g}", "busbw GB/s": f"{r['busbw'] / 1e9:.3g}",
               "vs library": f"{r['vs_library']:.3f}" if r["vs_library"] is not None else ""} for r in rows]
-    print(f"all-reduce, {world_size} ranks, {backend}, {rows[0]['device']}, {args.dtype}")
+    per_trial = (f", {args.calls_per_trial} back-to-back calls per trial"
+                 if args.calls_per_trial > 1 else "")
+    print(f"all-reduce, {world_size} ranks, {backend}, {rows[0]['device']}, {args.dtype}"
+          + per_trial)
     print(format_table(table))
 
     def figure():

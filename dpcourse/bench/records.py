@@ -63,6 +63,7 @@ class AllReduceRow(Timing):
         algbw: ``nbytes / median_s`` in bytes/s.
         busbw: ``algbw * 2 (N - 1) / N``, what each rank's link carries.
         vs_library: the library's median / this median (None without a library row).
+        calls_per_trial: back-to-back calls each trial timed (its time divided by them).
     """
 
     impl: str = ""
@@ -76,6 +77,7 @@ class AllReduceRow(Timing):
     algbw: float = 0.0
     busbw: float = 0.0
     vs_library: float | None = None
+    calls_per_trial: int = 1
 
 
 @dataclass(eq=True)

@@ -37,6 +37,7 @@ scoped release orders memory only for observers on the same device.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -175,17 +176,44 @@ def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
         copy_other_slices(buf, x, numel, slice_len, pid, step, RANK, WORLD, BLOCK)
 
 
+# Compiled kernels ready to launch, keyed by everything Triton specialises a kernel on.
+_LAUNCHERS: dict = {}
+
+
+def _launch(kernel, grid: int, args: tuple, constexprs: tuple, num_warps: int) -> None:
+    """Launch ``kernel`` over ``grid`` blocks on the current stream; skip Triton's dispatch after.
+
+    Triton's ``kernel[grid](...)`` inspects every argument on each call to find
+    the compiled variant (about as long as the kernel takes on a small
+    message). Which variant runs depends on the constexpr values, on each
+    pointer's 16-byte alignment and on each integer's value (1, a multiple of
+    16, or neither); the key below holds those exactly (integers by value), so
+    a launcher is only reused for calls that would compile to the same kernel.
+    """
+    key = (kernel, grid, num_warps, constexprs, args[0].get_device(),
+           *((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
+             for a in args))
+    launcher = _LAUNCHERS.get(key)
+    if launcher is not None:
+        launcher(*args, *constexprs)
+        return
+    names = kernel.arg_names[len(args):]
+    compiled = kernel[(grid,)](*args, **dict(zip(names, constexprs)), num_warps=num_warps)
+    if len(_LAUNCHERS) >= 256:  # bounded: a few sizes and dtypes per run in practice
+        _LAUNCHERS.clear()
+    _LAUNCHERS[key] = compiled[(grid, 1, 1)]
+
+
 def launch_one_shot(x, buf, buf_deltas, pad, pad_deltas, rank, world, grid, block, num_warps,
                     kernel=None):
     """Launch :func:`one_shot_kernel` (or ``kernel``, same parameters) on the current stream."""
-    kernel = one_shot_kernel if kernel is None else kernel
-    kernel[(grid,)](x, buf, buf_deltas, pad, pad_deltas, x.numel(),
-                    RANK=rank, WORLD=world, BLOCK=block, num_warps=num_warps)
+    _launch(one_shot_kernel if kernel is None else kernel, grid,
+            (x, buf, buf_deltas, pad, pad_deltas, x.numel()), (rank, world, block), num_warps)
 
 
 def launch_two_shot(x, buf, buf_deltas, pad, pad_deltas, slice_len, rank, world, grid, block,
                     num_warps, copy, kernel=None):
     """Launch :func:`two_shot_kernel` (or ``kernel``, same parameters) on the current stream."""
-    kernel = two_shot_kernel if kernel is None else kernel
-    kernel[(grid,)](x, buf, buf_deltas, pad, pad_deltas, x.numel(), slice_len,
-                    RANK=rank, WORLD=world, BLOCK=block, COPY=copy, num_warps=num_warps)
+    _launch(two_shot_kernel if kernel is None else kernel, grid,
+            (x, buf, buf_deltas, pad, pad_deltas, x.numel(), slice_len),
+            (rank, world, block, copy), num_warps)
