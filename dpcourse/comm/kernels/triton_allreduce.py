@@ -180,8 +180,11 @@ def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
 _LAUNCHERS: dict = {}
 
 
-def _launch(kernel, grid: int, args: tuple, constexprs: tuple, num_warps: int) -> None:
-    """Launch ``kernel`` over ``grid`` blocks on the current stream; skip Triton's dispatch after.
+def _launch(kernel, grid: int, args: tuple, constexprs: tuple, num_warps: int):
+    """Launch ``kernel`` over ``grid`` blocks on the current stream; return its direct launcher.
+
+    The launcher takes ``*args, *constexprs`` and launches the same compiled
+    variant on the current stream, skipping Triton's dispatch.
 
     Triton's ``kernel[grid](...)`` inspects every argument on each call to find
     the compiled variant (about as long as the kernel takes on a small
@@ -196,24 +199,25 @@ def _launch(kernel, grid: int, args: tuple, constexprs: tuple, num_warps: int) -
     launcher = _LAUNCHERS.get(key)
     if launcher is not None:
         launcher(*args, *constexprs)
-        return
+        return launcher
     names = kernel.arg_names[len(args):]
     compiled = kernel[(grid,)](*args, **dict(zip(names, constexprs)), num_warps=num_warps)
     if len(_LAUNCHERS) >= 256:  # bounded: a few sizes and dtypes per run in practice
         _LAUNCHERS.clear()
-    _LAUNCHERS[key] = compiled[(grid, 1, 1)]
+    launcher = _LAUNCHERS[key] = compiled[(grid, 1, 1)]
+    return launcher
 
 
 def launch_one_shot(x, buf, buf_deltas, pad, pad_deltas, rank, world, grid, block, num_warps,
                     kernel=None):
-    """Launch :func:`one_shot_kernel` (or ``kernel``, same parameters) on the current stream."""
-    _launch(one_shot_kernel if kernel is None else kernel, grid,
+    """Launch :func:`one_shot_kernel` (or ``kernel``, same parameters); return the launcher."""
+    return _launch(one_shot_kernel if kernel is None else kernel, grid,
             (x, buf, buf_deltas, pad, pad_deltas, x.numel()), (rank, world, block), num_warps)
 
 
 def launch_two_shot(x, buf, buf_deltas, pad, pad_deltas, slice_len, rank, world, grid, block,
                     num_warps, copy, kernel=None):
-    """Launch :func:`two_shot_kernel` (or ``kernel``, same parameters) on the current stream."""
-    _launch(two_shot_kernel if kernel is None else kernel, grid,
+    """Launch :func:`two_shot_kernel` (or ``kernel``, same parameters); return the launcher."""
+    return _launch(two_shot_kernel if kernel is None else kernel, grid,
             (x, buf, buf_deltas, pad, pad_deltas, x.numel(), slice_len),
             (rank, world, block, copy), num_warps)
