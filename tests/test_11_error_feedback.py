@@ -7,7 +7,6 @@ a detail that names it. The check's reference for the first step
 ``bf16_compress_hook``, and the solution is run under torch DDP and our wrappers.
 """
 
-import importlib.util
 import itertools
 import pathlib
 import sys
@@ -18,6 +17,7 @@ import torch
 import dpcourse
 from dpcourse.grading import check, oracles
 from feedback_helpers import STEPS, hook_under_reducers
+from notebook_helpers import notebook_module
 from planted import hook_bugs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -27,21 +27,8 @@ OWN = {"first_step_is_torchs_hook", "sends_bf16", "keeps_residual", "compresses_
 
 def _load(tmp_path, folder: str):
     """A notebook's code cells (without check calls) as a module read from a file."""
-    import nbformat
-
-    nb = nbformat.read(ROOT / folder / "11_inside_the_reducer.ipynb", as_version=4)
-    path = tmp_path / f"{folder}_11.py"
-    path.write_text("\n\n".join(c.source for c in nb.cells
-                                if c.cell_type == "code" and "check(" not in c.source))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # check() reads the definitions' source from the file
-    try:
-        spec.loader.exec_module(module)
-    except Exception:
-        del sys.modules[path.stem]
-        raise
-    return module
+    return notebook_module(ROOT / folder / "11_inside_the_reducer.ipynb",
+                           tmp_path / f"{folder}_11.py")
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ each planted mistake fails the criterion that names it, and the grader's expecte
 are what lesson 14's FullyShardedDataParallel issues under CommTrace.
 """
 
-import importlib.util
 import pathlib
 import sys
 
@@ -15,6 +14,7 @@ from dpcourse.grading import check, make_exercises
 from dpcourse.grading.checks import get_spec
 from dpcourse.grading.runner import run_check
 from dpcourse.grading.submission import extract, from_notebook
+from notebook_helpers import notebook_module
 from planted import fsdp_bugs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -24,18 +24,8 @@ NOTEBOOK = "14_fsdp.ipynb"
 @pytest.fixture
 def solution(tmp_path):
     """The solution notebook's code cells (without the check call) as a module from a file."""
-    import nbformat
-
-    nb = nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4)
-    path = tmp_path / "solution_14.py"
-    path.write_text("\n\n".join(c.source for c in nb.cells
-                                if c.cell_type == "code" and "check(" not in c.source))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # check() reads the definitions' source from the file
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[path.stem]
+    yield notebook_module(ROOT / "solutions" / NOTEBOOK, tmp_path / "solution_14.py")
+    del sys.modules["solution_14"]
 
 
 def _two_ranks(bug):

@@ -6,7 +6,6 @@ that names its mistake. The independent references the checks use are held
 against torch itself (torch DDP, torch's bucket rule).
 """
 
-import importlib.util
 import pathlib
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from dpcourse.grading import check
+from notebook_helpers import notebook_module
 from planted import transfer_bugs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -22,18 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture
 def solution(tmp_path):
     """Load a solution notebook's code cells (without its check calls) as a module from a file."""
-    import nbformat
-
     def load(name: str):
-        nb = nbformat.read(ROOT / "solutions" / name, as_version=4)
-        path = tmp_path / f"solution_{name[:2]}.py"
-        path.write_text("\n\n".join(c.source for c in nb.cells
-                                    if c.cell_type == "code" and "check(" not in c.source))
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module  # check() reads the definitions' source from the file
-        spec.loader.exec_module(module)
-        return module
+        return notebook_module(ROOT / "solutions" / name, tmp_path / f"solution_{name[:2]}.py")
     yield load
     for name in [n for n in sys.modules if n.startswith("solution_")]:
         del sys.modules[name]

@@ -11,6 +11,8 @@ computes, the module's attributes are views into :attr:`FlatParams.full`.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -118,7 +120,17 @@ class _Gathered(torch.autograd.Function):
         return None, None, None  # the shard's .grad is set by on_gradient, not by autograd
 
 
-def gathered(flat: FlatParams, on_gradient) -> torch.Tensor:
+class _HasShardAndFull(Protocol):
+    """What :func:`gathered` needs of a flat: :class:`FlatParams`, or the FSDP wrapper's FlatShard."""
+
+    @property
+    def shard(self) -> torch.Tensor: ...
+
+    @property
+    def full(self) -> torch.Tensor: ...
+
+
+def gathered(flat: _HasShardAndFull, on_gradient) -> torch.Tensor:
     """Return ``flat.full`` as autograd's function of ``flat.shard``.
 
     Point the module at it (:meth:`FlatParams.point_module_at`) and, once backward
@@ -127,7 +139,8 @@ def gathered(flat: FlatParams, on_gradient) -> torch.Tensor:
     vector on this rank (zeros in the padding).
 
     Args:
-        flat: a trainable flat whose :attr:`~FlatParams.full` holds the gathered weights.
+        flat: a trainable flat whose ``full`` holds the gathered weights (a
+            :class:`FlatParams`, or the wrapper's :class:`~dpcourse.fsdp.flat.FlatShard`).
         on_gradient: ``on_gradient(flat, grad_full)``, called once per backward.
     """
     return _Gathered.apply(flat.shard, flat, on_gradient)

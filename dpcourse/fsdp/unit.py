@@ -8,9 +8,10 @@ weights (``reshard after forward``) and registers a hook on the output.
 Backward: that output hook runs when the gradient of the unit's output is
 known, i.e. just before the unit's own backward: it gathers the weights again
 and prefetches the unit whose backward comes next. Once autograd has the
-gradient of the whole gathered vector, :class:`_Gather`'s backward launches
-its reduce-scatter (each rank receives the sum of its shard's gradient) and
-frees the weights again.
+gradient of the whole gathered vector (the link from shard to full vector is
+:func:`~dpcourse.fsdp.flat_params.gathered`, the same one the exercise uses),
+the unit launches its reduce-scatter (each rank receives the sum of its
+shard's gradient) and frees the weights again.
 """
 
 from __future__ import annotations
@@ -19,21 +20,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from dpcourse.fsdp.flat import FlatShard
+from dpcourse.fsdp.flat_params import gathered
 from dpcourse.zero.collectives import reduce_scatter
-
-
-class _Gather(torch.autograd.Function):
-    """Identity from the shard to the gathered vector for autograd; backward reduce-scatters."""
-
-    @staticmethod
-    def forward(ctx, shard, flat, unit):  # type: ignore[override]
-        ctx.flat, ctx.unit = flat, unit
-        return flat.full.view(-1)
-
-    @staticmethod
-    def backward(ctx, grad_full):  # type: ignore[override]
-        ctx.unit.reduce_gradient(ctx.flat, grad_full)
-        return None, None, None
 
 
 class FSDPUnit:
@@ -72,10 +60,10 @@ class FSDPUnit:
             f.free()
 
     def use_gathered(self) -> None:
-        """Point the module at the gathered weights, through :class:`_Gather` when trainable."""
+        """Point the module at the gathered weights, through :func:`gathered` when trainable."""
         for f in self.flats:
             if f.shard.requires_grad and torch.is_grad_enabled():
-                f.set_views(_Gather.apply(f.shard, f, self))
+                f.set_views(gathered(f, self.reduce_gradient))
             else:
                 f.set_views(f.full.detach())
 
