@@ -132,7 +132,12 @@ def cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo in a process started by torchrun (RANK, WORLD_SIZE, ... in the environment)."""
+    """Run the demo in a process started by torchrun (RANK, WORLD_SIZE, ... in the environment).
+
+    Without RANK in the environment it starts local ranks itself and returns the exit
+    status. Under torchrun, when it created the process group, it destroys it and ends
+    the process with ``os._exit(0)`` rather than returning (see the comment there).
+    """
     parser = argparse.ArgumentParser(prog="python -m dpcourse.demo",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -156,6 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if owns_group:
             dist.destroy_process_group()  # a clean exit, no "process group not destroyed" warning
+    if owns_group:
+        # A controlled exit, as dpcourse.run's ranks make: skip interpreter finalization.
+        # destroy_process_group() does not stop gloo's worker threads, and one of them may
+        # still be releasing the last collective's tensors, which takes the GIL: during
+        # finalization that ends the thread inside a C++ destructor and aborts the process
+        # ("terminate called without an active exception", exit code -6).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
