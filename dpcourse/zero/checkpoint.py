@@ -11,18 +11,71 @@ ranks: it resumes on any world size, and a single-process optimizer can load it.
 
 Consolidating is a collective (every rank sends its chunks to one rank, as
 torch's ``ZeroRedundancyOptimizer.consolidate_state_dict(to)`` does); loading is
-local (every rank reads the full dict and keeps its own chunks).
+local (every rank reads the full dict and keeps its own chunks). To checkpoint::
+
+    opt.consolidate_state_dict(to=0)          # every rank
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+
+and to resume, on every rank::
+
+    opt.load_state_dict(torch.load(path)["optim"])
+
+The functions here take the :class:`~dpcourse.zero.optimizer.ShardedOptimizer`
+as ``opt``; its methods of those names call them.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from dpcourse.zero.layout import shard_range
+
+
+class Consolidated(NamedTuple):
+    """The full state dict on the rank it was gathered on, and the step count it is from."""
+
+    state_dict: dict[str, Any]
+    steps: int
+
+
+def consolidate_on(opt, to: int) -> Consolidated | None:
+    """Gather every rank's state shard on rank ``to`` of ``opt``'s group (a collective).
+
+    Args:
+        opt: the ShardedOptimizer; every rank of its group must call this.
+        to: rank of the group that receives the state.
+
+    Returns:
+        The consolidated state on rank ``to``, ``None`` on the other ranks.
+    """
+    if not 0 <= to < opt.world_size:
+        raise ValueError(f"to must be a rank of the group (0..{opt.world_size - 1}), "
+                         f"got {to!r}.")
+    per_rank = gather_state(opt, to)
+    return None if per_rank is None else Consolidated(consolidate(opt, per_rank), opt._steps)
+
+
+def consolidated(opt, held: Consolidated | None) -> dict[str, Any]:
+    """Return the state dict ``held`` by this rank, refusing a missing or outdated one.
+
+    Args:
+        opt: the ShardedOptimizer (for its rank and its current step count).
+        held: what :func:`consolidate_on` returned on this rank, if it was called.
+    """
+    if held is None:
+        raise RuntimeError(
+            f"rank {opt.rank} holds no consolidated optimizer state: call "
+            "consolidate_state_dict(to=r) on every rank first, then state_dict() on rank r.")
+    if held.steps != opt._steps:
+        raise RuntimeError(
+            f"the consolidated state is {opt._steps - held.steps} step(s) old: call "
+            "consolidate_state_dict() on every rank again before state_dict().")
+    return held.state_dict
 
 
 def _to_cpu(state: dict) -> dict:

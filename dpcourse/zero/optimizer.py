@@ -23,10 +23,8 @@ Where the averaged gradient comes from is the ``gradients=`` argument:
   (``param.grad = None``), and only this rank's gradient shard is kept and
   accumulated. Gradient memory per rank falls to ~1/N; same bytes as DDP.
 
-Checkpoints: :meth:`ShardedOptimizer.consolidate_state_dict` gathers the
-state on one rank, whose :meth:`~ShardedOptimizer.state_dict` is then that of a
-plain optimizer over the same parameters; :meth:`~ShardedOptimizer.load_state_dict`
-cuts it again (:mod:`dpcourse.zero.checkpoint`).
+Checkpoints (the state gathered on one rank as a plain optimizer's, loaded on
+any number of ranks) are made by :mod:`dpcourse.zero.checkpoint`.
 
 In the two modes without a wrapper, rank 0's parameters are broadcast at
 construction so all replicas start equal (buffers are not seen by an
@@ -43,7 +41,7 @@ from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from dpcourse.ddp.buckets import check_bucket_cap
-from dpcourse.zero.checkpoint import consolidate, gather_state, load_state
+from dpcourse.zero import checkpoint
 from dpcourse.zero.collectives import all_gather, reduce_scatter
 from dpcourse.zero.layout import ShardBucket, make_shard_buckets, shard_range
 
@@ -113,7 +111,7 @@ class ShardedOptimizer(Optimizer):
                     outer.setdefault(k, v)
         self._grad_rows: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._steps = 0
-        self._consolidated: tuple[dict, int] | None = None
+        self._consolidated: checkpoint.Consolidated | None = None
         self._hooks: list = []
         if gradients == "sharded":
             self._reset_round()
@@ -256,7 +254,7 @@ class ShardedOptimizer(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         self._grad_rows = [None] * len(self.buckets)
 
-    # -- checkpoints (dpcourse.zero.checkpoint) ----------------------------------
+    # -- checkpoints (the work is in dpcourse.zero.checkpoint) ------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the optimizer state on rank ``to`` (a collective).
 
@@ -266,38 +264,21 @@ class ShardedOptimizer(Optimizer):
         Args:
             to: rank of the group that receives the state (default 0).
         """
-        if not 0 <= to < self.world_size:
-            raise ValueError(f"to must be a rank of the group (0..{self.world_size - 1}), "
-                             f"got {to!r}.")
-        per_rank = gather_state(self, to)
-        self._consolidated = None if per_rank is None else (consolidate(self, per_rank),
-                                                             self._steps)
+        self._consolidated = checkpoint.consolidate_on(self, to)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Return the consolidated state, as a plain ``optimizer_cls`` over the same groups has it.
 
         Only on the rank that :meth:`consolidate_state_dict` sent the state to, and
-        only if no step ran since. The dict holds whole tensors, so it loads on any
-        number of ranks, or into a single-process optimizer. To checkpoint::
-
-            opt.consolidate_state_dict(to=0)          # every rank
-            if dist.get_rank() == 0:
-                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+        only if no step ran since (how to checkpoint: :mod:`dpcourse.zero.checkpoint`).
+        The dict holds whole tensors, so it loads on any number of ranks, or into a
+        single-process optimizer.
 
         Returns:
             ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` with ``index``
             counting the parameters of ``param_groups`` in order, frozen ones included.
         """
-        if self._consolidated is None:
-            raise RuntimeError(
-                f"rank {self.rank} holds no consolidated optimizer state: call "
-                "consolidate_state_dict(to=r) on every rank first, then state_dict() on rank r.")
-        sd, steps = self._consolidated
-        if steps != self._steps:
-            raise RuntimeError(
-                f"the consolidated state is {self._steps - steps} step(s) old: call "
-                "consolidate_state_dict() on every rank again before state_dict().")
-        return sd
+        return checkpoint.consolidated(self, self._consolidated)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a consolidated state dict (from :meth:`state_dict`); every rank keeps its shard.
@@ -305,8 +286,11 @@ class ShardedOptimizer(Optimizer):
         Call it on every rank with the whole dict (e.g. ``torch.load(path)["optim"]``),
         after loading the model's weights. No communication: the world size may differ
         from the one that saved it.
+
+        Args:
+            state_dict: the dict :meth:`state_dict` returned (possibly saved and loaded).
         """
-        load_state(self, state_dict)
+        checkpoint.load_state(self, state_dict)
         self._consolidated = None
 
     def remove_hooks(self) -> None:
