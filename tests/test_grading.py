@@ -27,6 +27,7 @@ from dpcourse.grading.submission import extract, policy_findings
 from planted import ddp_bugs, notebooks, pure_bugs, ring_bugs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2  # exercise 12 graded
 
 
 def _failed(result: CheckResult) -> set:
@@ -177,18 +178,23 @@ def test_solutions_score_full_marks_with_every_output(tmp_path):
     fb, csv_path, lms = tmp_path / "feedback", tmp_path / "grades.csv", tmp_path / "lms.csv"
     proc, report = _grade(tmp_path, ROOT / "solutions", "--csv", csv_path, "--lms-csv", lms,
                           "--feedback", fb)
-    assert all(nb["status"] == "ok" for nb in report["notebooks"]), report["notebooks"]
-    assert len(report["results"]) == 18
-    for row in report["results"]:
+    graded = [r for r in report["results"] if not r["not_graded"]]
+    full = 190 if TWO_GPUS else 180  # without 2 GPUs exercise 12 is not graded, not failed
+    assert all(nb["status"] == ("ok" if TWO_GPUS or nb["notebook"][:2] != "12" else "not graded")
+               for nb in report["notebooks"]), report["notebooks"]
+    assert len(report["results"]) == 19 and len(graded) == full // 10
+    for row in graded:
         assert row["passed"] == row["total"] > 0, (row["check"], [
             (c["name"], c["detail"]) for c in row["criteria"] if not c["passed"]])
-    assert report["points"] == report["max_points"] == 180
+    assert report["points"] == report["max_points"] == full
+    assert report["not_graded_points"] == 190 - full
     rows = list(csv.DictReader(csv_path.open()))
-    assert len(rows) == sum(r["total"] for r in report["results"])
+    assert len(rows) == sum(r["total"] for r in graded) + len(report["results"]) - len(graded)
     # rows are rounded to 0.01 points, and a check's rows still add up to its points
-    assert abs(sum(float(r["points"]) for r in rows) - 180) < 1e-6
+    assert abs(sum(float(r["points"]) for r in rows if r["points"]) - full) < 1e-6
     lms_rows = list(csv.reader(lms.open()))
-    assert lms_rows[0][:2] == ["Student", "ID"] and lms_rows[1][-1] == "180.0"
+    assert lms_rows[0][:2] == ["Student", "ID"]
+    assert lms_rows[1][lms_rows[0].index("Total")] == f"{full:.1f}"
     feedback = nbformat.read(fb / "solutions" / "04_ring_all_reduce.feedback.ipynb", as_version=4)
     assert "Grading report" in feedback.cells[0].source
     assert (fb / "solutions" / "04_ring_all_reduce.feedback.html").stat().st_size > 1000
@@ -203,10 +209,108 @@ def test_exercises_run_through_and_score_zero(tmp_path):
         "naive_ddp", "naive_ddp_complete",
         "assign_buckets", "first_bucket", "overlapped_ddp", "arrival_order", "no_sync",
         "token_weighted", "checkpoint_resume", "ring_cost", "join_shadow",
-        "error_feedback_hook", "sharded_step", "fsdp_hooks"}
-    for row in report["results"]:
+        "error_feedback_hook", "nvlink_kernels", "sharded_step", "fsdp_hooks"}
+    graded = [r for r in report["results"] if not r["not_graded"]]
+    assert len(graded) == 19 if TWO_GPUS else 18
+    for row in graded:
         assert row["points"] == 0 and row["total"] > 0, row
-    assert all(any("not implemented yet" in n for n in r["notes"]) for r in report["results"])
+    assert all(any("not implemented yet" in n for n in r["notes"]) for r in graded)
+
+
+@pytest.mark.skipif(TWO_GPUS, reason="shows what grading does on a machine without 2 GPUs")
+@pytest.mark.timeout(600)
+def test_exercise_12_is_not_graded_without_two_gpus_and_the_other_check_is(tmp_path):
+    """Not 0 points: the reason in every output, its points out of every total, nothing run."""
+    folder, fb = tmp_path / "subs" / "alice", tmp_path / "feedback"
+    folder.mkdir(parents=True)
+    for name in ("09_cost_model.ipynb", "12_nvlink_kernels.ipynb"):
+        (folder / name).write_text((ROOT / "solutions" / name).read_text())
+    csv_path, lms = tmp_path / "grades.csv", tmp_path / "lms.csv"
+    proc, report = _grade(tmp_path, tmp_path / "subs", "--csv", csv_path, "--lms-csv", lms,
+                          "--feedback", fb)
+    rows = {r["check"]: r for r in report["results"]}
+    assert set(rows) == {"ring_cost", "nvlink_kernels"}
+    assert rows["ring_cost"]["not_graded"] is None and rows["ring_cost"]["points"] == 10
+    skipped = rows["nvlink_kernels"]
+    why = skipped["not_graded"]
+    assert "this machine has 0" in why and "at least 2 NVLink-connected GPUs" in why, why
+    assert "dpcourse grade" in why  # what the instructor does about it
+    assert skipped["status"] == "not graded" and skipped["points"] == 0
+    assert skipped["criteria"] == [] and skipped["max_points"] == 10
+    assert (report["points"], report["max_points"], report["not_graded_points"]) == (10, 10, 10)
+    nb12 = next(nb for nb in report["notebooks"] if nb["notebook"].startswith("12"))
+    # decided before anything ran: the notebook was not executed, no check process started
+    assert nb12["status"] == "not graded" and nb12["cell_seconds"] == 0 and nb12["seconds"] == 0
+    assert skipped["seconds"] == 0
+    assert "not graded on this machine" in proc.stdout and why in proc.stdout
+    assert "total: 10/10 points" in proc.stdout
+    crit = [r for r in csv.DictReader(csv_path.open()) if r["check"] == "nvlink_kernels"]
+    assert [(r["criterion"], r["points"], r["max_points"], r["detail"]) for r in crit] == [
+        ("not_graded", "", "", why)]
+    others = [r for r in csv.DictReader(csv_path.open()) if r["check"] == "ring_cost"]
+    assert abs(sum(float(r["points"]) for r in others) - 10) < 1e-9
+    head, alice = list(csv.reader(lms.open()))
+    cells = dict(zip(head, alice))
+    assert cells["Exercise 12: All-reduce kernels on NVLink (10)"] == ""  # empty, not 0
+    assert float(cells["Exercise 09: " + rows["ring_cost"]["title"] + " (10)"]) == 10
+    assert cells["Total"] == "10.0" and why in cells["Not graded"]
+    feedback = nbformat.read(fb / "alice" / "12_nvlink_kernels.feedback.ipynb", as_version=4)
+    report_md = feedback.cells[0].source
+    assert "not graded on this machine" in report_md and "NVLink-connected" in report_md
+    assert "FAIL" not in report_md and "did not run to the end" not in report_md
+
+
+def test_the_grader_decides_the_skip_and_starts_nothing_for_it(monkeypatch):
+    """The grader's own view of the GPUs decides; the graded code cannot turn a run into a skip."""
+    import dpcourse.grading.checks.ex12_nvlink_kernels as ex12
+    from dpcourse.grading import autograde, inprocess_grade, inprocess_run
+    from dpcourse.grading.submission import from_notebook, load
+
+    text = (ROOT / "solutions" / "12_nvlink_kernels.ipynb").read_text()
+    nb = nbformat.reads(text, as_version=4)
+    sources = from_notebook(nb)
+    cells, _ = extract(sources)
+    spec = get_spec("nvlink_kernels")
+
+    class Started(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise Started(args)
+
+    monkeypatch.setattr(ex12, "_gpu_count", lambda: 1)
+    for module in (autograde.subprocess, inprocess_grade.subprocess):
+        monkeypatch.setattr(module, "Popen", refuse)
+    info, results, executed = autograde.grade_notebook("12_nvlink_kernels.ipynb", text, 60, None)
+    assert info["status"] == "not graded" and executed is None
+    (result,) = results
+    assert "this machine has 1" in result.not_graded and result.points == 0
+    assert not result.criteria and "not graded on this machine" in str(result)
+    # With 2 GPUs in the grader's view it grades: it starts the check's process.
+    monkeypatch.setattr(ex12, "_gpu_count", lambda: 2)
+    with pytest.raises(Started):
+        inprocess_grade.grade_in_process(spec, cells, sources)
+    # In that process (here: 0 GPUs, as if the graded code hid them) a skip is a failure.
+    monkeypatch.setattr(ex12, "_gpu_count", lambda: 0)
+    objs = load(cells, {"main": "one_shot_kernel", "two_shot": "two_shot_kernel"},
+                dict(vars(__import__("builtins"))))
+    assert objs["main"].source.startswith("def one_shot_kernel(")  # @kernel found its text
+    ran = inprocess_run.run_check(spec, objs["main"], {"two_shot": objs["two_shot"]})
+    assert ran.not_graded is None and ran.points == 0 and not ran.criteria[0].passed
+    assert "at least 2 CUDA GPUs" in ran.criteria[0].detail
+
+
+def test_exercise_12_check_in_a_notebook_without_gpus_says_where_to_run_it(capsys, monkeypatch):
+    import dpcourse.grading.checks.ex12_nvlink_kernels as ex12
+    from dpcourse.comm.kernels.exercise import LearnerKernel
+
+    monkeypatch.setattr(ex12, "_gpu_count", lambda: 1)
+    k = LearnerKernel("one_shot_kernel", "def one_shot_kernel(x):\n    pass\n")
+    result = check("nvlink_kernels", k, two_shot=k)
+    out = capsys.readouterr().out
+    assert "not graded on this machine" in out and "this machine has 1" in out
+    assert "Run this notebook on a machine with at least 2 NVLink-connected GPUs" in out
+    assert result.not_graded and result.points == 0 and result.to_dict()["not_graded"]
 
 
 @pytest.mark.timeout(900)  # whole folders of notebooks, each in its own kernel

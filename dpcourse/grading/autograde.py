@@ -31,9 +31,9 @@ import psutil
 
 from dpcourse.grading import procs
 from dpcourse.grading.checks import for_notebook
-from dpcourse.grading.report import CheckResult, CriterionResult, strip_ansi
+from dpcourse.grading.report import NOT_GRADED_STATUS, CheckResult, CriterionResult, strip_ansi
 from dpcourse.grading.checks import Exercise
-from dpcourse.grading.inprocess_grade import grade_in_process
+from dpcourse.grading.inprocess_grade import grade_in_process, not_here_for_grader
 from dpcourse.grading.runner import SKIP_ENV, run_check
 from dpcourse.grading.submission import extract
 
@@ -200,6 +200,12 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict
         why = f"the notebook could not be read ({type(exc).__name__}: {str(exc)[:200]})"
         info = {"status": "unreadable", "message": strip_ansi(why)}
         return info, [_zero(s, why) for s in specs], None
+    blocked = {s.name: why for s in specs if (why := not_here_for_grader(s))}
+    if specs and len(blocked) == len(specs):
+        # Nothing of it can be graded on this machine: the notebook is not run at all.
+        info = {"status": NOT_GRADED_STATUS, "message": "; ".join(dict.fromkeys(blocked.values())),
+                "changed_files": [], "cell_seconds": 0.0, "seconds": 0.0}
+        return info, [CheckResult.not_graded_here(s, blocked[s.name]) for s in specs], None
     run = execute(nb, timeout) if specs else Execution("ok", None, "no exercise check for it")
     changed = snapshot.restore() if snapshot is not None else []
     info = {"status": run.status, "message": run.message, "changed_files": changed,
@@ -215,6 +221,9 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict
     cells, problems = extract(sources)
     results = []
     for spec in specs:
+        if spec.name in blocked:
+            results.append(CheckResult.not_graded_here(spec, blocked[spec.name]))
+            continue
         if isinstance(spec, Exercise):
             result = run_check(spec, cells, spec.roles, problems=problems)
         else:
@@ -236,7 +245,9 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None)
         feedback: folder for one feedback notebook (and HTML) per graded notebook.
 
     Returns:
-        ``{"notebooks": [...], "results": [...], "points": p, "max_points": m}``.
+        ``{"notebooks": [...], "results": [...], "points": p, "max_points": m,
+        "not_graded_points": n}``: ``m`` counts only the checks graded here; ``n`` is the
+        maximum of those this machine could not run (each row's ``not_graded`` says why).
     """
     from dpcourse.grading import gradebook
     from dpcourse.grading.integrity import PackageSnapshot
@@ -259,11 +270,16 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None)
             name = os.path.basename(path)
             notebooks.append(dict(info, notebook=name, path=path, submission=submission))
             for r in results:
+                status = ("graded" if info["status"] == "ok" else info["status"])
                 rows.append(dict(r.to_dict(), notebook=name, submission=submission,
-                                 status="graded" if info["status"] == "ok" else info["status"]))
+                                 status=NOT_GRADED_STATUS if r.not_graded else status))
             if feedback:
                 gradebook.write_feedback(feedback, submission, name, executed, texts[path],
                                          info, results)
+    # A check this machine could not run is left out of the maximum, not counted as 0 of
+    # its points: a learner's total stays a share of what was graded, and the points still
+    # to grade elsewhere are reported beside it (not_graded_points).
     return {"notebooks": notebooks, "results": rows,
             "points": round(sum(r["points"] for r in rows), 1),
-            "max_points": sum(r["max_points"] for r in rows)}
+            "max_points": sum(gradebook.counted_max(r) for r in rows),
+            "not_graded_points": sum(r["max_points"] - gradebook.counted_max(r) for r in rows)}

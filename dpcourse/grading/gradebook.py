@@ -9,6 +9,13 @@
   or e-mail) both read this layout; the submission folder name is used as the ID.
 - ``--feedback DIR``: per notebook, ``DIR/<submission>/<name>.feedback.ipynb`` (the
   executed notebook with the report as its first cell) and the same as ``.html``.
+
+A check this machine cannot run (a row whose ``not_graded`` gives the reason, e.g.
+exercise 12 without 2 GPUs) is shown as not graded everywhere, never as 0 points:
+it is left out of every maximum and total (:func:`counted_max`), its ``--csv`` row
+(criterion ``not_graded``) and its ``--lms-csv`` cell are empty instead of 0, so that
+an import does not record a zero, and the reason goes in the ``--lms-csv`` column
+``Not graded`` and in the feedback report.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import json
 import os
 
 from dpcourse.formatting import format_table
-from dpcourse.grading.report import strip_ansi
+from dpcourse.grading.report import NOT_GRADED_STATUS, strip_ansi
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -28,20 +35,37 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def counted_max(row: dict) -> float:
+    """The points a result row counts towards a maximum: none when it was not graded."""
+    return 0.0 if row.get("not_graded") else row["max_points"]
+
+
 def score_table(report: dict) -> str:
     """Return the score table: one row per exercise, totals per submission, notebook problems."""
     rows = [{"submission": r["submission"], "notebook": r["notebook"], "exercise": r["exercise"],
-             "check": r["check"], "criteria": f"{r['passed']}/{r['total']}",
-             "points": f"{r['points']:g}/{r['max_points']:g}"} for r in report["results"]]
+             "check": r["check"],
+             "criteria": "-" if r.get("not_graded") else f"{r['passed']}/{r['total']}",
+             "points": (f"not graded (of {r['max_points']:g})" if r.get("not_graded")
+                        else f"{r['points']:g}/{r['max_points']:g}")}
+            for r in report["results"]]
     out = [format_table(rows)] if rows else ["no exercise checks matched these notebooks"]
     subs = sorted({r["submission"] for r in report["results"]})
     if len(subs) > 1:
         for s in subs:
             mine = [r for r in report["results"] if r["submission"] == s]
             out.append(f"{s}: {sum(r['points'] for r in mine):g}/"
-                       f"{sum(r['max_points'] for r in mine):g} points")
+                       f"{sum(counted_max(r) for r in mine):g} points")
     out.append(f"total: {report['points']:g}/{report['max_points']:g} points")
+    skipped = [r for r in report["results"] if r.get("not_graded")]
+    if skipped:
+        out.append(f"not graded on this machine: {len(skipped)} check(s), "
+                   f"{sum(r['max_points'] for r in skipped):g} points left out of the totals")
+        for why in dict.fromkeys(f"exercise {r['exercise']} ({r['check']}): {r['not_graded']}"
+                                 for r in skipped):
+            out.append(f"  {why}")
     for nb in report["notebooks"]:
+        if nb["status"] == NOT_GRADED_STATUS:  # said just above, with the reason
+            continue
         if nb["status"] != "ok":
             out.append(f"{nb['submission']}/{nb['notebook']}: {nb['status']}: "
                        f"{strip_ansi(nb['message'])}")
@@ -84,6 +108,10 @@ def write_csv(report: dict, path: str) -> None:
     w.writerow(["submission", "notebook", "exercise", "check", "criterion", "weight", "passed",
                 "points", "max_points", "detail"])
     for row in report["results"]:
+        if row.get("not_graded"):  # one row, empty points: not a 0 to be summed or imported
+            w.writerow([row["submission"], row["notebook"], row["exercise"], row["check"],
+                        "not_graded", "", "", "", "", strip_ansi(row["not_graded"])])
+            continue
         most = split_points(row["max_points"], [c["weight"] for c in row["criteria"]])
         for c, pts, top in zip(row["criteria"], criterion_points(row), most):
             w.writerow([row["submission"], row["notebook"], row["exercise"], row["check"],
@@ -101,26 +129,37 @@ def write_lms_csv(report: dict, path: str) -> None:
         col = f"Exercise {r['exercise']}: {r['title']} ({r['max_points']:g})"
         if col not in columns:
             columns.append(col)
-    table = {}
+    table: dict[str, dict] = {}
+    why: dict[str, list[str]] = {}
     for r in report["results"]:
         col = f"Exercise {r['exercise']}: {r['title']} ({r['max_points']:g})"
-        table.setdefault(r["submission"], {})[col] = r["points"]
+        marks = table.setdefault(r["submission"], {})
+        if r.get("not_graded"):
+            marks.setdefault(col, "")  # empty, not 0: an import leaves the grade alone
+            why.setdefault(r["submission"], []).append(
+                f"Exercise {r['exercise']}: {strip_ansi(r['not_graded'])}")
+        else:
+            marks[col] = r["points"]
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["Student", "ID", *columns, "Total"])
+    w.writerow(["Student", "ID", *columns, "Total", *(["Not graded"] if why else [])])
     for sub, marks in sorted(table.items()):
         w.writerow([sub, sub, *[marks.get(c, 0) for c in columns],
-                    round(sum(marks.values()), 1)])
+                    round(sum(v for v in marks.values() if v != ""), 1),
+                    *(["; ".join(why.get(sub, []))] if why else [])])
     _atomic_write(path, buf.getvalue())
 
 
 def report_markdown(info: dict, results: list) -> str:
     """The feedback report as Markdown: status, then each check's criteria."""
     lines = ["# Grading report", ""]
-    if info.get("status") not in ("ok", None):
+    if info.get("status") not in ("ok", NOT_GRADED_STATUS, None):
         lines += [f"**The notebook did not run to the end** ({info['status']}): "
                   f"{strip_ansi(info.get('message', ''))}", ""]
     for r in results:
+        if r.not_graded:
+            lines += [f"## {r.headline()}", "", f"- why: {_md(r.not_graded)}", ""]
+            continue
         lines += [f"## {r.headline()}", "", "| | criterion | weight | what it checks |",
                   "|---|---|---|---|"]
         for c in r.criteria:

@@ -97,6 +97,8 @@ class CheckSpec:
         forbid_torch_ddp: also switch off torch DDP.
         timeout: seconds per launch before the ranks count as hung.
         notes: lines shown under every report of this check.
+        needs: the hardware the check runs on, when it needs more than CPUs (e.g. "at least
+            2 NVLink-connected GPUs"); :meth:`unavailable_here` says when this machine lacks it.
     """
 
     name = ""
@@ -110,6 +112,15 @@ class CheckSpec:
     timeout = 30.0
     points = 10.0
     notes: tuple[str, ...] = ()
+    needs = ""
+
+    def unavailable_here(self) -> str | None:
+        """Return what this machine lacks to run the check (a sentence), or ``None`` if nothing.
+
+        Asked in the process that decides to run the check (the grader's, or the
+        notebook's for ``check(...)``), before any of the learner's code is loaded.
+        """
+        return None
 
     def active_criteria(self, extras: dict) -> list[Criterion]:
         """Return the criteria that apply when ``extras`` are given (order of the report)."""

@@ -44,6 +44,19 @@ def _check_call_names(cells: list[tuple[str, str]], sources: list[tuple[str, str
     return found
 
 
+def not_here_for_grader(spec) -> str | None:
+    """What this machine lacks to grade ``spec``, and where to grade it instead; or ``None``.
+
+    Asked in the grader's own process (its view of the GPUs, not the notebook's): a
+    notebook cannot make its check count as not graded, nor as graded.
+    """
+    lack = getattr(spec, "unavailable_here", lambda: None)()
+    if not lack:
+        return None
+    return (f"{lack}. No points were given or taken: grade the exercise {spec.exercise} "
+            f"notebooks again with dpcourse grade on a machine with {spec.needs}.")
+
+
 def grade_in_process(spec, cells: list[tuple[str, str]], sources: list[tuple[str, str]],
                      problems: list[str] | None = None, timeout: float = 900.0) -> CheckResult:
     """Grade a check that still runs beside the learner's code, in a process of the grader's.
@@ -52,6 +65,9 @@ def grade_in_process(spec, cells: list[tuple[str, str]], sources: list[tuple[str
     check picks its own world sizes; the result comes back through a pipe only
     this process reads and is rebuilt here from the check's own criteria.
     """
+    why = not_here_for_grader(spec)
+    if why:  # decided here, before anything of the notebook is loaded or any rank started
+        return CheckResult.not_graded_here(spec, why)
     t0 = time.perf_counter()
     allowed = [c for c in spec.criteria] + [DELEG] + ([DEAD] if spec.in_rank else [])
     notes = list(problems or []) + list(spec.notes) + [

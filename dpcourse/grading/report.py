@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 
 DEFAULT_POINTS = 10.0
+NOT_GRADED = "not graded on this machine"  # the outcome of a check this machine cannot run
+NOT_GRADED_STATUS = "not graded"  # dpcourse grade's status of such a result (and its notebook)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
 
 
@@ -64,6 +66,9 @@ class CheckResult:
         max_points: points for all criteria passing.
         seconds: wall time the check took.
         notes: extra lines shown under the table (e.g. tolerances used).
+        not_graded: why the check could not run on this machine (e.g. it needs GPUs), or
+            ``None``. Such a result is neither passed nor failed: no criteria, no points, and
+            ``dpcourse grade`` leaves its ``max_points`` out of the totals.
     """
 
     check: str
@@ -73,6 +78,18 @@ class CheckResult:
     max_points: float = DEFAULT_POINTS
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    not_graded: str | None = None
+
+    @classmethod
+    def not_graded_here(cls, spec, why: str) -> "CheckResult":
+        """The result of ``spec`` (a check) that this machine cannot run: no criteria, no points.
+
+        Args:
+            spec: the check (its ``name``, ``exercise``, ``title`` and ``points`` are used).
+            why: what the machine lacks and where to run the check instead.
+        """
+        return cls(spec.name, spec.exercise, spec.title or spec.name, [], spec.points, 0.0, [],
+                   not_graded=why)
 
     @property
     def passed(self) -> int:
@@ -88,7 +105,7 @@ class CheckResult:
     def score(self) -> float:
         """Weighted fraction of criteria passed, between 0 and 1 (0 when a gate failed)."""
         weight = sum(c.weight for c in self.criteria)
-        if not weight or any(c.gate and not c.passed for c in self.criteria):
+        if self.not_graded or not weight or any(c.gate and not c.passed for c in self.criteria):
             return 0.0
         return min(1.0, max(0.0, sum(c.weight for c in self.criteria if c.passed) / weight))
 
@@ -127,11 +144,15 @@ class CheckResult:
                 "passed": self.passed, "total": self.total, "points": self.points,
                 "max_points": self.max_points, "seconds": round(self.seconds, 2),
                 "criteria": [c.to_dict() for c in self.criteria],
-                "notes": [strip_ansi(n) for n in self.notes]}
+                "notes": [strip_ansi(n) for n in self.notes],
+                "not_graded": strip_ansi(self.not_graded) if self.not_graded else None}
 
     # -- rendering -----------------------------------------------------------
     def headline(self) -> str:
         """Return the one-line summary, e.g. ``ring_all_reduce (Exercise 04): 5/7 criteria``."""
+        if self.not_graded:
+            return (f"{self.title} (Exercise {self.exercise}): {NOT_GRADED} "
+                    f"(its {self.max_points:g} points are not counted)")
         verdict = "all passed" if self.all_passed else f"{self.total - self.passed} failed"
         return (f"{self.title} (Exercise {self.exercise}): {self.passed}/{self.total} criteria "
                 f"passed, {verdict}, {self.points:g}/{self.max_points:g} points "
@@ -144,6 +165,8 @@ class CheckResult:
 
     def __str__(self) -> str:
         lines = [self.headline()]
+        if self.not_graded:
+            lines.append(f"  why: {self.not_graded}")
         width = max((len(c.name) for c in self.criteria), default=0)
         for c in self.criteria:
             mark = "PASS" if c.passed else "FAIL"
@@ -160,7 +183,7 @@ class CheckResult:
         return str(self)
 
     def _repr_html_(self) -> str:
-        color = "#1a7f37" if self.all_passed else "#cf222e"
+        color = ("#57606a" if self.not_graded else "#1a7f37" if self.all_passed else "#cf222e")
         rows = []
         for c in self.criteria:
             mark = ("<span style='color:#1a7f37'>&#10004;</span>" if c.passed
@@ -175,7 +198,8 @@ class CheckResult:
                         f"<td><code>{html.escape(c.name)}</code></td>"
                         f"<td style='text-align:left'>{html.escape(c.description)}{extra}</td>"
                         "</tr>")
-        notes = "".join(f"<div style='color:#57606a'>{html.escape(n)}</div>" for n in self.notes)
+        notes = "".join(f"<div style='color:#57606a'>{html.escape(n)}</div>" for n in
+                        ([f"why: {self.not_graded}"] if self.not_graded else []) + self.notes)
         return (f"<div><div style='font-weight:bold;color:{color}'>{html.escape(self.headline())}"
                 f"</div><table style='border-collapse:collapse'>{''.join(rows)}</table>"
                 f"{notes}</div>")

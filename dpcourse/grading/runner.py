@@ -216,6 +216,13 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         if set(extras) - allowed:
             raise TypeError(f"check({name!r}) got unexpected keyword(s) "
                             f"{sorted(set(extras) - allowed)}; it accepts {sorted(allowed) or 'none'}.")
+        lack = spec.unavailable_here()
+        if lack:  # e.g. GPU kernels on a laptop: say so, neither pass nor fail
+            result = CheckResult.not_graded_here(spec, f"{lack}. Run this notebook on a machine "
+                                                 f"with {spec.needs} to have it checked.")
+            if not quiet:
+                show(result)
+            return result
         result = inprocess_run.run_check(spec, obj, extras, world_sizes=world_sizes, timeout=timeout,
                                      backend=backend)
         if not quiet:

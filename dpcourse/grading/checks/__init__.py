@@ -33,6 +33,7 @@ REGISTRY: dict[str, type[Exercise]] = {c.name: c for c in (
     CheckpointResume, JoinShadow, ErrorFeedbackHook, FSDPHooks)}
 
 IN_PROCESS: dict[str, str] = {
+    "nvlink_kernels": "dpcourse.grading.checks.ex12_nvlink_kernels:NvlinkKernels",
     "sharded_step": "dpcourse.grading.checks.ex13_sharded_step:ShardedStep",
 }
 

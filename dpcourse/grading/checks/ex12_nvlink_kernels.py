@@ -9,7 +9,8 @@ bfloat16, give every rank the same bits, and stay right over 1,000 calls
 back to back with inputs that change every call: a missing release/acquire or
 a buffer reused too early shows up there. A kernel that never returns (a
 block waiting for a flag no peer raises) is stopped and reported. Without at
-least 2 CUDA GPUs the check is skipped with a message saying so.
+least 2 CUDA GPUs the check is skipped with a message saying so, and ``dpcourse
+grade`` marks the exercise "not graded on this machine" instead of running it.
 """
 
 from __future__ import annotations
@@ -154,8 +155,8 @@ def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, world_sizes=N
     from dpcourse.errors import RankDiedError, RankError, RankTimeoutError
 
     gpus = _gpu_count()
-    if gpus < 2:
-        message = _skip_message(gpus, 2)
+    if gpus < MIN_GPUS:
+        message = _skip_message(gpus, MIN_GPUS)
         if not quiet:
             print(message)
         return {"skipped": True, "message": message, "results": {}}
@@ -217,10 +218,18 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+MIN_GPUS = 2
+NEEDS = f"at least {MIN_GPUS} NVLink-connected GPUs"
+
+
+def _lacking(gpus: int, minimum: int) -> str:
+    return (f"these kernels need at least {minimum} CUDA GPUs that can reach each other's "
+            f"memory (NVLink); this machine has {gpus}")
+
+
 def _skip_message(gpus: int, minimum: int) -> str:
-    return (f"skipped: these kernels need at least {minimum} CUDA GPUs that can reach each "
-            f"other's memory (NVLink); this machine has {gpus}. Run this notebook on a GPU "
-            "machine to have your kernels checked.")
+    return (f"skipped: {_lacking(gpus, minimum)}. Run this notebook on a GPU machine to have "
+            "your kernels checked.")
 
 
 class NvlinkKernels(CheckSpec):
@@ -229,6 +238,10 @@ class NvlinkKernels(CheckSpec):
     name, exercise, title = "nvlink_kernels", "12", "All-reduce kernels on NVLink"
     in_rank = False  # check_nvlink_kernels starts the GPU ranks itself
     timeout = 600.0
+    needs = NEEDS
+    # What the notebook's kernels are written with (the exercise's own module).
+    allowed_imports = {"dpcourse.comm.kernels.exercise": {"block_barrier", "kernel",
+                                                          "peer_delta", "tl"}}
     criteria = tuple(
         GradingCriterion(f"{kind}_{c.name}", f"{kind.replace('_', '-')}: {c.description}",
                          c.hint, requires=None if kind == "one_shot" else "two_shot")
@@ -236,9 +249,15 @@ class NvlinkKernels(CheckSpec):
     notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "
              "least 2 CUDA GPUs",)
 
+    def unavailable_here(self) -> str | None:
+        gpus = _gpu_count()
+        return _lacking(gpus, MIN_GPUS) if gpus < MIN_GPUS else None
+
     def run(self, rec, learner, extras, reference):
+        if learner.is_stub():  # like every check: an exercise not started stops at once
+            raise NotImplementedError(f"{learner.name} is still the exercise's stub")
         report = check_nvlink_kernels(learner, extras.get("two_shot"), quiet=True)
-        if report["skipped"]:
+        if report["skipped"]:  # whoever started this run found the GPUs: now they are gone
             raise RuntimeError(report["message"])
         for kind, results in report["results"].items():
             for name, passed in results.items():
