@@ -13,9 +13,9 @@
 A check this machine cannot run (a row whose ``not_graded`` gives the reason, e.g.
 exercise 12 without 2 GPUs) is shown as not graded everywhere, never as 0 points:
 it is left out of every maximum and total (:func:`counted_max`), its ``--csv`` row
-(criterion ``not_graded``) and its ``--lms-csv`` cell are empty instead of 0, so that
-an import does not record a zero, and the reason goes in the ``--lms-csv`` column
-``Not graded`` and in the feedback report.
+(criterion ``not_graded``) and its ``--lms-csv`` cell are empty instead of a 0 that
+would read as a grade, and the reason goes in the ``--lms-csv`` column ``Not graded``
+and in the feedback report.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def write_lms_csv(report: dict, path: str) -> None:
         col = f"Exercise {r['exercise']}: {r['title']} ({r['max_points']:g})"
         marks = table.setdefault(r["submission"], {})
         if r.get("not_graded"):
-            marks.setdefault(col, "")  # empty, not 0: an import leaves the grade alone
+            marks.setdefault(col, "")  # empty, not 0: a 0 would read as a grade
             why.setdefault(r["submission"], []).append(
                 f"Exercise {r['exercise']}: {strip_ansi(r['not_graded'])}")
         else:
