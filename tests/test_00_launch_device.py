@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse
-from dpcourse.device import visible_gpus
+from dpcourse.device import rank_device, visible_gpus
 from dpcourse.launch import resources
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
@@ -25,7 +25,7 @@ CVD = "CUDA_VISIBLE_DEVICES"
 
 
 def what_the_rank_sees():
-    t = torch.ones(2)
+    t = torch.ones(2, device=rank_device())  # NCCL reduces GPU tensors only
     dist.all_reduce(t)
     return {"backend": dist.get_backend(), "cuda_available": torch.cuda.is_available(),
             "device_count": torch.cuda.device_count(), "cvd": os.environ.get(CVD, "<unset>"),

@@ -95,7 +95,9 @@ def _state_diff(a: dict, b: dict) -> float:
             w = b["state"][i][k]
             if not isinstance(v, torch.Tensor) or v.shape != w.shape:
                 return float("inf")
-            worst = max(worst, (v.double() - w.double()).abs().max().item() if v.numel() else 0)
+            # A consolidated state lives on the CPU; an optimizer's own on its parameters' device.
+            diff = v.double().cpu() - w.double().cpu()
+            worst = max(worst, diff.abs().max().item() if v.numel() else 0)
     for ga, gb in zip(a["param_groups"], b["param_groups"]):
         if any(ga[k] != gb[k] for k in ga.keys() & gb.keys()):
             return float("inf")
