@@ -187,7 +187,7 @@ def test_the_ddp_reference_of_exercise_03_is_what_torch_ddp_does():
     from dpcourse.grading.checks import ex03_buffers_unused as ex
 
     g = torch.Generator().manual_seed(3)
-    batches = [[(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+    batches = [[(torch.randn(ex.BATCH, 8, generator=g), torch.randn(ex.BATCH, 4, generator=g))
                 for _ in range(2)] for _ in range(3)]
     seeds = [11, 12]
     runs = dpcourse.run(_torch_ddp_branchy, seeds, batches, world_size=2)
