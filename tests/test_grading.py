@@ -342,6 +342,10 @@ def test_hanging_and_dying_notebooks_are_stopped_and_the_next_is_graded(tmp_path
     assert not _leftovers(marker)
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["kill", "ctrl-c"])
 def test_a_stopped_grader_stops_its_kernel_and_ranks(tmp_path, sig):
@@ -351,9 +355,13 @@ def test_a_stopped_grader_stops_its_kernel_and_ranks(tmp_path, sig):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    # Started as from a terminal: a shell runs a background job (`cmd &`, nohup, a CI
+    # runner's script) with SIGINT ignored, a disposition its children inherit, and a
+    # grader that ignores Ctrl-C is what such a start asks for.
     grader = subprocess.Popen([sys.executable, "-m", "dpcourse.cli", "grade",
                                str(tmp_path / "nbs"), "--timeout", "600"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=_default_sigint)
     try:
         deadline = time.monotonic() + 200
         # The notebook's sleeper, its detached grandchild and both ranks are running.
