@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.comm.kernels.schedule import grid_size, slice_len
-from dpcourse.comm.kernels import workspace
-from dpcourse.comm.kernels.workspace import Workspace, get_workspace, symmetric_workspace_of
+from dpcourse.comm.kernels.workspace import (Workspace, cache_key, get_workspace,
+                                             in_symmetric_memory, is_current,
+                                             symmetric_workspace_of)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TILE_BYTES = 16 * 1024  # bytes of one tensor a block handles per loop iteration
@@ -102,7 +103,7 @@ class _Plan:
     def __init__(self, flat: torch.Tensor, group, ws: Workspace, launch, rest: tuple):
         # The group is held so that its id, part of the key, is never reused by another.
         self.group, self.ws, self.launch, self.rest = group, ws, launch, rest
-        self.ws_key = (id(group), flat.device.index)  # as get_workspace caches it
+        self.ws_key = cache_key(group, flat.device.index)
         half_len = (ws.nbytes // 2) // flat.element_size()
         self.halves = tuple(ws.view(flat.dtype, flat.numel(), offset=h * half_len)
                             for h in (0, 1))
@@ -111,7 +112,7 @@ class _Plan:
         """Launch on ``tensor`` if it fits this plan exactly; return whether it ran."""
         ws = self.ws
         if (op is not dist.ReduceOp.SUM or type(tensor) is not torch.Tensor or tensor.dim() != 1
-                or not tensor.is_contiguous() or workspace._CACHE.get(self.ws_key) is not ws):
+                or not tensor.is_contiguous() or not is_current(ws, self.ws_key)):
             return False
         self.launch(tensor, self.halves[ws.calls % 2], *self.rest)
         ws.calls += 1
@@ -136,9 +137,11 @@ def _run_plan(kind: str, tensor, group, op, max_blocks: int, kernel) -> bool:
 
 def _remember(kind: str, flat: torch.Tensor, group, max_blocks: int, kernel, ws: Workspace,
               launch, rest: tuple) -> None:
-    """Keep a :class:`_Plan` for calls shaped like this one (``rest``: the launch's other args)."""
-    if flat.dim() != 1 or launch is None:
-        return
+    """Keep a :class:`_Plan` for calls shaped like this one (``rest``: the launch's other args).
+
+    ``flat`` is the caller's own tensor: a plan launches on the tensor it is given, so
+    calls that pass another shape (reduced through a flat view) get none.
+    """
     if len(_PLANS) >= 256:  # bounded: a few bucket sizes per model in practice
         _PLANS.clear()
     _PLANS[_plan_key(kind, flat, group, max_blocks, kernel)] = _Plan(flat, group, ws, launch, rest)
@@ -176,8 +179,9 @@ def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     grid, block = _launch_shape(n, flat.dtype, max_blocks, ws)
     launch = _kernels().launch_one_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
                                         ws.rank, ws.world_size, grid, block, NUM_WARPS, kernel)
-    _remember("one_shot", flat, group, max_blocks, kernel, ws, launch,
-              (ws.deltas(element), ws.pad, ws.pad_deltas, n, ws.rank, ws.world_size, block))
+    if flat is tensor:
+        _remember("one_shot", flat, group, max_blocks, kernel, ws, launch,
+                  (ws.deltas(element), ws.pad, ws.pad_deltas, n, ws.rank, ws.world_size, block))
 
 
 def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
@@ -191,7 +195,7 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         kernel: a Triton kernel with the parameters of ``two_shot_kernel`` to launch instead
             (the exercise's); ``None`` launches ours.
     """
-    if (type(tensor) is torch.Tensor and tensor.data_ptr() not in workspace._SYMMETRIC
+    if (type(tensor) is torch.Tensor and not in_symmetric_memory(tensor)
             and _run_plan("two_shot", tensor, group, op, max_blocks, kernel)):
         return
     flat = _prepare(tensor, op)
@@ -216,7 +220,7 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     launch = _kernels().launch_two_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
                                         length, ws.rank, ws.world_size, grid, block, NUM_WARPS,
                                         copy, kernel)
-    if copy:  # a resident tensor is its own buffer: no plan with workspace halves
+    if copy and flat is tensor:  # a resident tensor is its own buffer: no workspace halves
         _remember("two_shot", flat, group, max_blocks, kernel, ws, launch,
                   (ws.deltas(element), ws.pad, ws.pad_deltas, n, length, ws.rank, ws.world_size,
                    block, True))

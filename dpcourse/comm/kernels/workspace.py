@@ -142,6 +142,21 @@ _CACHE: dict = {}
 _SYMMETRIC: dict = {}
 
 
+def cache_key(group, device_index: int) -> tuple:
+    """Return the key under which :func:`get_workspace` keeps ``group``'s workspace on a device."""
+    return (id(group), device_index)
+
+
+def is_current(ws: Workspace, key: tuple) -> bool:
+    """Whether ``ws`` is still the workspace cached under ``key`` (not replaced or released)."""
+    return _CACHE.get(key) is ws
+
+
+def in_symmetric_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` came from :func:`symmetric_empty` (two-shot reduces it in place)."""
+    return tensor.data_ptr() in _SYMMETRIC
+
+
 def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
     """Return this rank's cached workspace for ``group`` with at least ``nbytes``; grow if needed.
 
@@ -150,11 +165,11 @@ def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
     collective. Growing waits for the device and the group first, so no peer
     is still reading the old buffer when it is freed.
     """
-    ws = _CACHE.get((id(group), device.index))  # fast path: no c10d calls
+    key = cache_key(group, device.index)
+    ws = _CACHE.get(key)  # fast path: no c10d calls
     if ws is not None and ws.nbytes >= nbytes and (group is None or ws.group is group):
         return ws
     pg = process_group(group)
-    key = (id(group), device.index)
     ws = _CACHE.get(key)
     if ws is not None and ws.group is not pg:  # a new default group under the same key
         ws = None
