@@ -22,7 +22,7 @@ def doctor(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from dpcourse.launch import resolve_backend
+    from dpcourse.launch import plan_ranks
 
     rows = [
         ("python", platform.python_version()),
@@ -41,8 +41,9 @@ def doctor(args: argparse.Namespace) -> int:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             rows.append((f"cuda:{i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB"))
-    backend, world_size = resolve_backend("auto", None)
-    rows.append(("dpcourse.run default", f"backend={backend}, world_size={world_size}"))
+    default = plan_ranks()
+    rows.append(("dpcourse.run default", str(default)))
+    rows.append(("a lesson's 4 ranks", str(plan_ranks(4))))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -61,7 +62,7 @@ def doctor(args: argparse.Namespace) -> int:
         except (dpcourse.RankError, dpcourse.RankDiedError, dpcourse.RankTimeoutError) as exc:
             print(f"{'all_reduce check':<{width}}  FAILED\n{exc}")
             return 1
-        ok = all(s == world_size for s in sums)
+        ok = all(s == default.world_size for s in sums)
         print(f"{'all_reduce check':<{width}}  {'ok' if ok else 'WRONG'} ({sums})")
         return 0 if ok else 1
     return 0

@@ -63,6 +63,70 @@ def test_device_cpu_resolves_to_gloo_whatever_gpus_this_process_sees(monkeypatch
     assert dpcourse.resolve_backend("gloo", 3, device="cpu") == ("gloo", 3)
 
 
+# (GPUs visible, world_size asked) -> (backend, world_size, GPUs hidden from the ranks, line printed)
+RANK_RULE = [
+    (0, None, ("gloo", 2, False), "2 ranks over gloo on CPU: this machine has no GPU"),
+    (0, 4, ("gloo", 4, False), "4 ranks over gloo on CPU: this machine has no GPU"),
+    (1, None, ("gloo", 2, True),
+     "2 ranks over gloo on CPU: this machine has 1 GPU, and data parallelism needs 2 or more"),
+    (1, 4, ("gloo", 4, True), "4 ranks over gloo on CPU: this machine has 1 GPU, fewer than 4"),
+    (1, 1, ("nccl", 1, False), "1 rank over nccl, one GPU per rank: this machine has 1 GPU"),
+    (2, None, ("nccl", 2, False), "2 ranks over nccl, one GPU per rank: this machine has 2 GPUs"),
+    (2, 4, ("gloo", 4, True), "4 ranks over gloo on CPU: this machine has 2 GPUs, fewer than 4"),
+    (4, None, ("nccl", 4, False), "4 ranks over nccl, one GPU per rank: this machine has 4 GPUs"),
+    (4, 2, ("nccl", 2, False), "2 ranks over nccl, one GPU per rank: this machine has 4 GPUs"),
+]
+
+
+@pytest.mark.parametrize("gpus, world_size, expected, line", RANK_RULE,
+                         ids=[f"{g}gpu-ws{w}" for g, w, _, _ in RANK_RULE])
+def test_a_lesson_gets_the_ranks_it_needs_on_every_machine(monkeypatch, gpus, world_size,
+                                                          expected, line):
+    monkeypatch.setattr("dpcourse.device.visible_gpus", lambda: gpus)
+    plan = dpcourse.plan_ranks(world_size)
+    assert (plan.backend, plan.world_size, plan.hide_gpus) == expected
+    assert str(plan) == line
+    assert dpcourse.resolve_backend("auto", world_size) == expected[:2]
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4, 8])
+def test_the_default_world_is_never_a_single_rank(monkeypatch, gpus):
+    monkeypatch.setattr("dpcourse.device.visible_gpus", lambda: gpus)
+    assert dpcourse.plan_ranks().world_size >= 2
+
+
+def test_cpu_ranks_chosen_because_gpus_are_too_few_see_no_gpu(monkeypatch):
+    """The ranks of a gloo fallback are started with every GPU hidden, as on a CPU machine."""
+    import dpcourse.launch.launcher as launcher
+
+    monkeypatch.setattr("dpcourse.device.visible_gpus", lambda: 1)
+    started = {}
+
+    class FakeLaunch:
+        def __init__(self, spec, timeout, prefix_output):
+            started["spec"] = spec
+
+        def start(self):
+            pass
+
+        def wait(self):
+            return ["ok"] * started["spec"].world_size
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(launcher, "Launch", FakeLaunch)
+    assert dpcourse.run(noop) == ["ok", "ok"]
+    spec = started["spec"]
+    assert (spec.backend, spec.world_size, spec.hide_gpus) == ("gloo", 2, True)
+    dpcourse.run(noop, backend="gloo", world_size=3)
+    assert started["spec"].hide_gpus is False  # asked for gloo: the ranks keep seeing the GPUs
+
+
+def noop():
+    return None
+
+
 @pytest.mark.parametrize("device", ["gpu", "cuda", "CPU", None, 0, torch.device("cpu")])
 def test_bad_device_says_which_values_work(device):
     with pytest.raises(ValueError, match=r"unknown device .*device='auto' .*device='cpu'"):

@@ -1,6 +1,7 @@
 """Launch a function on several ranks: ``dpcourse.run`` and the runtime behind it.
 
-* :mod:`~dpcourse.launch.launcher`: :func:`run` and :func:`resolve_backend`, the API;
+* :mod:`~dpcourse.launch.launcher`: :func:`run`, the API;
+* :mod:`~dpcourse.launch.ranks`: how many ranks, on which backend and why (:func:`plan_ranks`);
 * :mod:`~dpcourse.launch.procs`: the processes of one launch (start, watch, collect, stop);
 * :mod:`~dpcourse.launch.worker`: the entry point of one rank;
 * :mod:`~dpcourse.launch.relay`: what the ranks print, relayed with a ``[rank r]`` prefix;
@@ -10,7 +11,8 @@
 """
 
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
-from dpcourse.launch.launcher import DEFAULT_TIMEOUT, resolve_backend, run
+from dpcourse.launch.launcher import DEFAULT_TIMEOUT, run
+from dpcourse.launch.ranks import RankPlan, plan_ranks, resolve_backend
 
-__all__ = ["run", "resolve_backend", "DEFAULT_TIMEOUT", "RankError", "RankDiedError",
+__all__ = ["run", "plan_ranks", "RankPlan", "resolve_backend", "DEFAULT_TIMEOUT", "RankError", "RankDiedError",
            "RankTimeoutError"]

@@ -26,73 +26,11 @@ import sys
 
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.launch.procs import STARTUP_TIMEOUT, Launch, LaunchSpec
+from dpcourse.launch.ranks import plan_ranks
 from dpcourse.launch.resources import check_resources
 
 DEFAULT_TIMEOUT = 120.0
 LOOPBACK = "127.0.0.1"
-
-
-DEVICES = ("auto", "cpu")
-
-
-def check_device(device) -> str:
-    """Return ``device`` if it is one of :data:`DEVICES`, else raise a ValueError that lists them.
-
-    Args:
-        device: ``"auto"`` or ``"cpu"``.
-    """
-    if not isinstance(device, str) or device not in DEVICES:
-        raise ValueError(
-            f"unknown device {device!r}: use device='auto' (the ranks see this machine's GPUs, "
-            "and run on NCCL when each can have one) or device='cpu' (the ranks see no GPU and "
-            "run on gloo, as on a machine without GPUs). For GPUs pass backend='nccl'.")
-    return device
-
-
-def resolve_backend(backend: str = "auto", world_size: int | None = None,
-                    device: str = "auto") -> tuple[str, int]:
-    """Pick the backend and world size the way :func:`run` does.
-
-    Args:
-        backend: ``"auto"`` (nccl when every rank can have its own GPU, else gloo),
-            ``"gloo"`` or ``"nccl"``.
-        world_size: number of ranks; ``None`` means one per GPU with nccl, else 2.
-        device: ``"auto"`` (the ranks see the GPUs this process sees) or ``"cpu"``
-            (the ranks see none, so ``"auto"`` means gloo and ``"nccl"`` is refused).
-
-    Returns:
-        ``(backend, world_size)``.
-    """
-    from dpcourse.device import visible_gpus  # imports torch
-
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"unknown backend {backend!r}: use 'auto', 'gloo' (CPU) or 'nccl' (GPU).")
-    device = check_device(device)
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
-        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}.")
-    if world_size is not None and world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}.")
-    if device == "cpu" and backend == "nccl":
-        raise ValueError(
-            "backend 'nccl' runs on GPUs, but device='cpu' hides every GPU from the ranks: use "
-            "backend='gloo' (or 'auto') with device='cpu', or device='auto' to run on GPUs.")
-    gpus = 0 if device == "cpu" else visible_gpus()
-    if backend == "auto":
-        backend = "nccl" if gpus >= 1 and (world_size is None or world_size <= gpus) else "gloo"
-    if backend == "nccl" and gpus == 0:
-        raise ValueError(
-            "backend 'nccl' needs one GPU per rank, but this machine has 0 visible GPU(s) "
-            "(torch.cuda.device_count() is 0): use backend='gloo' (or 'auto') to run the ranks "
-            "on CPU."
-        )
-    if world_size is None:
-        world_size = gpus if backend == "nccl" else 2
-    if backend == "nccl" and world_size > gpus:
-        raise ValueError(
-            f"backend 'nccl' needs one GPU per rank: world_size={world_size} but "
-            f"{gpus} GPU(s) are visible. Use world_size<={gpus}, or backend='gloo' to run on CPU."
-        )
-    return backend, world_size
 
 
 def _check_timeout(timeout) -> float:
@@ -161,9 +99,13 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto", device:
             runs after ``torch.distributed`` is initialised, so it can call
             ``dist.get_rank()`` and collectives directly.
         *args, **kwargs: passed to ``fn`` on every rank (sent by value).
-        world_size: number of ranks; default one per GPU with nccl, else 2.
-        backend: ``"auto"`` (nccl when every rank gets its own GPU, else gloo),
-            ``"gloo"`` or ``"nccl"``. With nccl, rank ``r`` uses ``cuda:r``.
+        world_size: number of ranks. ``None``: one per GPU over nccl on a machine with 2
+            or more GPUs, else 2 CPU ranks over gloo (a machine with 1 GPU included: a
+            one-rank world would show no data parallelism). The rule and its reason:
+            :func:`dpcourse.launch.ranks.plan_ranks`.
+        backend: ``"auto"`` (nccl when every rank gets its own GPU, else CPU ranks over
+            gloo that see no GPU), ``"gloo"`` or ``"nccl"``. With nccl, rank ``r`` uses
+            ``cuda:r``.
         device: ``"auto"`` (default): the ranks see the GPUs this process sees.
             ``"cpu"``: every rank sees no GPU (``CUDA_VISIBLE_DEVICES`` is empty in its
             environment before torch starts, so ``torch.cuda.is_available()`` is False
@@ -191,7 +133,8 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto", device:
             :func:`dpcourse.launch.resources.check_resources`; nothing was started).
         KeyboardInterrupt: the caller was interrupted; every rank has been stopped.
     """
-    backend, world_size = resolve_backend(backend, world_size, device)
+    plan = plan_ranks(world_size, backend, device)
+    backend, world_size = plan.backend, plan.world_size
     timeout = _check_timeout(timeout)
     call = _serialize_call(fn, args, kwargs)
     check_resources(world_size, backend)
@@ -200,7 +143,7 @@ def run(fn, *args, world_size: int | None = None, backend: str = "auto", device:
         store = _loopback_store()
         spec = LaunchSpec(call=call, world_size=world_size, backend=backend, host=LOOPBACK,
                           port=store.port, timeout=timeout,
-                          hide_gpus=device == "cpu",  # checked by resolve_backend
+                          hide_gpus=plan.hide_gpus,
                           # Longer than ours (startup included): a hang is caught by the
                           # launcher, which shows where every waiting rank is, not by one
                           # rank's gloo error.
