@@ -88,15 +88,16 @@ def _check_nproc(argv: list[str]) -> None:
 def torchrun_command(argv: list[str]) -> list[str]:
     """Build the torchrun command for ``dpcourse launch``: torchrun's own arguments pass through.
 
-    When nothing says how many processes or where to meet, default to one
-    process per GPU (2 on a CPU-only machine) and a standalone rendezvous on
-    this host.
+    When nothing says how many processes or where to meet, start as many as
+    :func:`dpcourse.run` would (one per GPU on a machine with 2 or more, else 2:
+    see :func:`dpcourse.launch.ranks.plan_ranks`) and meet through a standalone
+    rendezvous on this host.
     """
-    from dpcourse.device import visible_gpus
+    from dpcourse.launch.ranks import plan_ranks
 
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if not _has_any(argv, "--nproc-per-node", "--nproc_per_node"):
-        cmd.append(f"--nproc-per-node={visible_gpus() or 2}")
+        cmd.append(f"--nproc-per-node={plan_ranks().world_size}")
     multi_node = _has_any(argv, "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint",
                           "--master-addr", "--master_addr", "--standalone")
     if not multi_node:

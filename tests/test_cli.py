@@ -23,6 +23,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 @pytest.mark.parametrize("gpus, argv, expected", [
     (0, ["train.py"], ["--nproc-per-node=2", "--standalone", "train.py"]),
+    (1, ["train.py"], ["--nproc-per-node=2", "--standalone", "train.py"]),  # never 1 rank
     (4, ["train.py", "--lr", "0.1"], ["--nproc-per-node=4", "--standalone", "train.py", "--lr",
                                       "0.1"]),
     (4, ["--nproc-per-node", "3", "train.py"], ["--standalone", "--nproc-per-node", "3",
@@ -35,7 +36,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
       "--rdzv-endpoint=10.0.0.1:29400", "train.py"]),
     (0, ["--master-addr", "10.0.0.1", "train.py"], ["--nproc-per-node=2", "--master-addr",
                                                     "10.0.0.1", "train.py"]),
-], ids=["cpu-default", "gpus-default", "nproc-given", "nproc-underscore", "standalone-given",
+], ids=["cpu-default", "one-gpu-default", "gpus-default", "nproc-given", "nproc-underscore", "standalone-given",
         "multi-node", "master-addr"])
 def test_torchrun_command(monkeypatch, gpus, argv, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
@@ -46,11 +47,11 @@ def test_torchrun_command(monkeypatch, gpus, argv, expected):
 def test_doctor_prints_versions_default_backend_and_checks_an_all_reduce(capsys):
     assert cli.main(["doctor", "--check"]) == 0
     out = capsys.readouterr().out
-    backend, world_size = dpcourse.resolve_backend()
+    plan = dpcourse.plan_ranks()
+    world_size = plan.world_size
     assert re.search(rf"^torch +{re.escape(torch.__version__)}$", out, re.MULTILINE)
     assert re.search(r"^python +\d+\.\d+\.\d+$", out, re.MULTILINE)
-    assert re.search(rf"^dpcourse.run default +backend={backend}, world_size={world_size}$",
-                     out, re.MULTILINE)
+    assert re.search(rf"^dpcourse.run default +{re.escape(str(plan))}$", out, re.MULTILINE)
     sums = re.escape(str([world_size] * world_size))
     assert re.search(rf"^all_reduce check +ok \({sums}\)$", out, re.MULTILINE), out
 
