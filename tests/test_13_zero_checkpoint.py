@@ -15,10 +15,19 @@ from dpcourse.ddp import DataParallelOverlapped
 from dpcourse.models import MLP
 from dpcourse.zero import ShardedOptimizer
 from ddp_helpers import global_batch, loss_of, make_model
-from zero_helpers import OPTIMIZERS, local_backward, on_device, param_state
+from zero_helpers import local_backward, on_device, param_state
 
 SAVED_AT, MORE = 2, 2  # steps before the checkpoint, steps after it
 TOL = 3e-5             # as test_13_zero: ours against one process / torch differ in summation order
+# AdamW with eps=1e-6, not its default 1e-8. Its update is lr * m / (sqrt(v) + eps), so a
+# difference d in a gradient moves the weight by up to lr * d / eps. Some gradients are zero in
+# exact arithmetic and rounding noise in floating point: the key third of the GPT's qkv bias
+# (softmax ignores a shift shared by every score; test_key_bias_gradient_is_rounding_noise).
+# Their noise, about 1e-12, depends on the order of additions, which differs between one
+# process and the ranks; at eps=1e-8 AdamW turns it into weight differences near TOL
+# (4.4e-05 once, on 3 ranks), at eps=1e-6 into at most lr * 1e-12 / 1e-6 = 1e-8 per step.
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}),
+              "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
 # (model, optimizer, gradients mode, parameter groups, rank that receives the state)
 CASES = [("mlp", "adamw", "sharded", False, 0),          # uneven sizes (biases of 16 and 1)
          ("mlp", "sgd", "reduce_scatter", False, -1),    # momentum; consolidated on the last rank
@@ -186,6 +195,17 @@ def checkpoint_checks() -> dict:
                          (("mlp", "adamw"), ("frozen_layer", "sgd"), ("gpt", "adamw"))}
     out["errors"] = _errors()
     return out
+
+
+def test_key_bias_gradient_is_rounding_noise():
+    """The gradient AdamW would amplify: zero in exact arithmetic, noise in float32."""
+    model = make_model("gpt")
+    loss_of("gpt", model, *global_batch("gpt", 0)).backward()
+    width = model.blocks[0].attn.qkv.bias.numel() // 3
+    for block in model.blocks:
+        grad = block.attn.qkv.bias.grad
+        key, query = grad[width:2 * width].abs().max().item(), grad[:width].abs().max().item()
+        assert key < 1e-9 and query > 1e-6, (key, query)   # noise, then a real gradient
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
