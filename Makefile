@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 # Jupyter refuses to run as root unless told (containers, cloud VMs often log in as root).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: course test setup demo doctor exercises clean
+.PHONY: course test test-gpu setup demo doctor exercises clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,12 +29,16 @@ setup: $(VENV)/.installed
 course: setup  ## set up, then open JupyterLab on lesson 00 (loopback only)
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) lessons/00_setup.ipynb
 
-# Type-checked packages: the algorithms, dpcourse/comm/kernels included (zero/ and fsdp/
-# once they exist).
-TYPED := $(wildcard dpcourse/comm dpcourse/ddp dpcourse/zero dpcourse/zero.py dpcourse/fsdp dpcourse/fsdp.py)
+# Type-checked packages: the algorithms (dpcourse/comm/kernels included).
+TYPED := dpcourse/comm dpcourse/ddp dpcourse/zero dpcourse/fsdp
 
 test: setup  ## set up, type-check the algorithms, run every test and execute every notebook
 	$(PY) -m mypy $(TYPED) && $(PY) -m pytest tests lessons solutions --nbval-lax --nbval-current-env
+
+# On a GPU machine: the GPU tests, every lesson and solution notebook and the demo, each
+# on its own, with pass/fail and wall time per item (the rows of docs/hardware.md).
+test-gpu: setup  ## run the course item by item on this machine's GPUs; writes hardware.json
+	$(PY) tests/hardware_matrix.py --out hardware.json
 
 demo: setup
 	$(VENV)/bin/dpcourse demo
