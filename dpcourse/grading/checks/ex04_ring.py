@@ -1,21 +1,31 @@
-"""Exercise 04: ring all-reduce from send/recv.
+"""Exercise 04: a ring all-reduce from send/recv that turns the other way round.
 
-The ranks run on the grader's process group, which offers only point-to-point
-messages: no collective exists to call. The grader delivers every message,
-so it knows each rank's peers and bytes, and it checks the sums against its
-own oracle on fresh random tensors.
+Lesson 04's ring passes chunks to the right (rank r sends to r + 1). The
+exercise's ring passes them to the left (rank r sends to r - 1 and receives
+from r + 1), while rank r still ends the reduce-scatter owning chunk r, as
+torch's reduce-scatter leaves chunk r on rank r: the schedule has to be worked
+out anew. The ranks run on the grader's process group, which offers only
+point-to-point messages: no collective exists to call. The grader delivers
+every message, so it knows each rank's peers and bytes, and it checks the sums
+against its own oracle on fresh random tensors.
 """
 
 from __future__ import annotations
 
+import math
+import re
+
 import torch
 
 from dpcourse.grading.checks.base import Exercise, Record, begin, events_of
+from dpcourse.grading.checks.hints import failed, follow_causes
 from dpcourse.grading.criteria import (Criterion, mismatch, no_deadlock, no_delegation,
                                        tolerance)
 from dpcourse.grading.shim import P2P
 
 MATCH = "matches_all_reduce"
+_SCALED = "every value {} times too small or too large"
+_ALL = "all of them"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -52,27 +62,26 @@ class RingAllReduce(Exercise):
     criteria = (
         Criterion(MATCH, "leaves the same sum as dist.all_reduce on every rank (world sizes 2, 3, "
                   "4; float32, float64, bfloat16; 1-D and 2-D)",
-                  "Some chunks right and others wrong means a rank added or copied a chunk "
-                  "into the wrong place: the chunk it sends at a step is not the one its "
-                  "neighbour expects to receive then. Every value N times too small or large "
-                  "means the sum was averaged, or a contribution was added twice.", weight=4),
+                  "Write out, for N = 3 on paper, the chunk each rank sends at each step and "
+                  "the chunk its left neighbour expects to receive then.", weight=4),
         Criterion("awkward_lengths", "also works for lengths 0, 1, fewer than the world size "
                   "and not divisible by it",
-                  "Only lengths that N does not divide fail: the two sides of a message cut the "
-                  "tensor differently, or a chunk of length 0 is sent on one side and not "
-                  "received on the other.", weight=2),
+                  "A length the regular cases do not have fails: see the why-line for which.",
+                  weight=2),
         Criterion("in_place", "updates the tensor it is given (like dist.all_reduce), any shape",
                   "The tensor you were given still holds its old values: the sum was written "
                   "into a new tensor (a copy, not a view of the given one), which the caller "
                   "never sees.", needs=(MATCH,)),
-        Criterion("ring_neighbours_only", "rank r only sends to r + 1 and receives from r - 1",
-                  "A rank exchanged messages with a rank that is not its neighbour in the ring "
-                  "(the wrap-around from the last rank to rank 0 included).", needs=(MATCH,)),
+        Criterion("ring_neighbours_only", "the ring turns left: rank r only sends to r - 1 and "
+                  "receives from r + 1 (in the all-reduce and in each half)",
+                  "A rank exchanged messages with a rank that is not its neighbour on the "
+                  "leftward ring (the wrap-around from rank 0 to the last rank included).",
+                  weight=3, needs=(MATCH,)),
         Criterion("bandwidth_optimal", "each rank sends exactly what the ring's steps carry, "
                   "one chunk per message",
                   "A rank sent more bytes than the ring needs: its messages carried more than "
                   "one chunk, or the data went through one rank that collected everything.",
-                  weight=2, needs=(MATCH,)),
+                  weight=2, needs=(MATCH, "ring_neighbours_only")),
         Criterion("chunk_bounds_correct", "chunk_bounds(numel, world_size, index) cuts like the "
                   "lesson: sizes differ by at most one, the first numel % N chunks are longer",
                   "Your bounds leave a gap or an overlap, or give the extra elements to other "
@@ -80,8 +89,9 @@ class RingAllReduce(Exercise):
                   "length N does not divide.", requires="chunk_bounds"),
         Criterion("reduce_scatter_owns_chunk_r", "after ring_reduce_scatter, chunk r on rank r "
                   "holds the sum over all ranks", "The fully summed chunk ends on the wrong "
-                  "rank: the chunk a rank receives at the last step is not its own chunk r, so "
-                  "the order in which it sends chunks starts at the wrong index.",
+                  "rank: the chunk a rank receives at the last step, from its right neighbour, "
+                  "is not its own chunk r, so the order in which it sends chunks starts at the "
+                  "wrong index.",
                   requires="reduce_scatter"),
         Criterion("all_gather_copies_chunks", "ring_all_gather copies each rank's chunk r to every "
                   "rank", "Chunks that were already complete changed: a received chunk was "
@@ -173,6 +183,11 @@ class RingAllReduce(Exercise):
                     wrong = [i for i, (a, b) in enumerate(chunks) if mismatch(
                         got["x"].flatten()[a:b], want.flatten()[a:b], rtol, atol)]
                     diff += f"; wrong chunks on rank {r}: {wrong} of {list(range(ws))}"
+                    if not mismatch(got["x"] * ws, want, rtol, atol) or \
+                            not mismatch(got["x"], want * ws, rtol, atol):
+                        diff += f" ({_SCALED.format(ws)})"
+                    elif len(wrong) == ws:
+                        diff += f" ({_ALL})"
                 mine = events_of(events[r], name)
                 received = sum(e["nbytes"] for e in mine if e["op"] == "delivered")
                 if not diff and ws > 1 and numel and received < numel * elsize:
@@ -185,22 +200,20 @@ class RingAllReduce(Exercise):
                     recs.append(Record("in_place", got["same"],
                                        "the tensor was replaced or reshaped instead of updated "
                                        "in place", name))
-                right, left = (r + 1) % ws, (r - 1) % ws
-                stray = sorted({f"{e['op']} {'to' if e['op'] == 'send' else 'from'} rank "
-                                f"{e['peer']}" for e in mine
-                                if (e["op"] == "send" and e["peer"] != right)
-                                or (e["op"] == "recv" and e["peer"] != left)})
-                recs.append(Record("ring_neighbours_only", not stray, f"rank {r}: "
-                                   f"{', '.join(stray)} (its neighbours are {right} and {left})",
-                                   name))
+                recs.append(_neighbours(r, ws, mine, name))
                 if numel and numel % ws == 0:
                     sent = sum(e["nbytes"] for e in mine if e["op"] == "send")
                     need = oracles.ring_bytes(numel, ws, elsize)
                     recs.append(Record("bandwidth_optimal", sent == need,
                                        f"rank {r} sent {sent} bytes, a ring sends {need}", name))
         self._judge_halves(ws, inputs, outputs, recs)
+        for key, role in (("rs", "reduce_scatter"), ("ag", "all_gather")):
+            for i in range(len(outputs[0][key])):
+                recs += [_neighbours(r, ws, events_of(events[r], f"{role} {i}"), f"{role} {i}")
+                         for r in range(ws)]
         if outputs[0]["bounds"]:
             recs.append(self._judge_bounds(inputs[0]["bounds"], outputs[0]["bounds"]))
+        follow_causes(self, recs, lambda rec: _cause(self, ws, rec))
         return recs
 
     @staticmethod
@@ -240,11 +253,74 @@ class RingAllReduce(Exercise):
         return Record("chunk_bounds_correct", True)
 
     def explain(self, text: str) -> str:
-        if "into a buffer of" in text:
-            return ("The receive buffer differs from what the peer sends in dtype or length: "
-                    "a buffer made in torch's default dtype (float32) cannot take another "
-                    "dtype's chunk.")
+        found = re.search(r"received (\d+) (\w+) elements .* into a buffer of (\d+) (\w+) "
+                          r"elements", text)
+        if found and found[2] != found[4]:
+            return ("The receive buffer has another dtype than what the peer sends: a buffer "
+                    "made in torch's default dtype (float32) cannot take another dtype's chunk.")
+        if found:
+            return ("A rank received a chunk of another length than its buffer: at that step "
+                    "the sender and the receiver picked different chunks (on the leftward ring "
+                    "a rank receives the chunk its right neighbour sends).")
         if "is not available to graded code" in text:
             return self.dist_why
         return ""
 
+
+def _neighbours(r: int, ws: int, mine: list, case: str) -> Record:
+    """Rank ``r`` sent only to its left neighbour and received only from its right one."""
+    left, right = (r - 1) % ws, (r + 1) % ws
+    stray = sorted({f"{e['op']} {'to' if e['op'] == 'send' else 'from'} rank {e['peer']}"
+                    for e in mine if (e["op"] == "send" and e["peer"] != left)
+                    or (e["op"] == "recv" and e["peer"] != right)})
+    rightward = all(e["peer"] == (right if e["op"] == "send" else left) for e in mine
+                    if e["op"] in ("send", "recv"))
+    detail = f"rank {r}: {', '.join(stray)} (it sends to {left} and receives from {right})"
+    if stray and rightward:
+        detail += "; every message went the way lesson 04's ring turns"
+    return Record("ring_neighbours_only", not stray, detail, case)
+
+
+def _cause(spec: Exercise, ws: int, rec: Record) -> str:
+    """The hint for the cause of a failing record of the ring check (see ``hints``)."""
+    text = rec.detail
+    if rec.criterion == "ring_neighbours_only" and "the way lesson 04's ring turns" in text:
+        return ("Your ring turns right, like lesson 04's: rank r sent to r + 1. This ring turns "
+                "left (send to r - 1, receive from r + 1), and rank r must still end the "
+                "reduce-scatter with chunk r: work out anew which chunk each rank sends at "
+                "each step.")
+    if rec.criterion == MATCH:
+        if "times too small or too large" in text:
+            return ("Every value is N times off: the sum was divided by the world size "
+                    "(all_reduce sums, it does not average), or every contribution was added "
+                    "N times.")
+        if "returned the sum in a new tensor" in text:
+            return ("The sum is right but lives in a tensor the caller never sees: write it "
+                    "into the given tensor (slices of tensor.view(-1) share its memory).")
+        if _ALL in text:
+            return ("Every chunk is wrong: the additions went to the wrong chunks from the "
+                    "first step on, or the all-gather passed on partial chunks. Write out for "
+                    "N = 3 which chunk each rank holds complete after the reduce-scatter (rank "
+                    "r: chunk r) and count back from the last step.")
+        if "wrong chunks on rank" in text:
+            return ("Some chunks are right and others wrong: a rank added or copied a chunk "
+                    "into the wrong place. The chunk it sends at a step is not the one its "
+                    "left neighbour expects to receive then: on the leftward ring rank r "
+                    "receives from r + 1, so the chunk indices run the other way than in "
+                    "lesson 04.")
+        return ""
+    if rec.criterion == "awkward_lengths":
+        if failed(spec, MATCH):
+            return ("The regular lengths fail too (see matches_all_reduce): this length fails "
+                    "for the same reason; fix that first.")
+        numel = math.prod(int(v) for v in re.findall(r"\d+", rec.case.split(")")[0]))
+        if numel == 0:
+            return ("An empty tensor failed while every regular length passed: with 0 elements "
+                    "there is nothing to send, and no rank may wait for a message.")
+        if numel < ws:
+            return ("Only a length smaller than the world size fails: some chunks are empty, "
+                    "and an empty chunk must be skipped on both sides of a message (the given "
+                    "ring_exchange skips it) or on neither.")
+        return ("Only lengths that N does not divide fail: the two sides of a message cut the "
+                "tensor differently; cut every chunk with chunk_bounds on both sides.")
+    return ""

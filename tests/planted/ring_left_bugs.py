@@ -1,0 +1,77 @@
+"""Attempts at exercise 04's leftward ring: each right or wrong in one named way."""
+
+import torch
+import torch.distributed as dist
+
+
+def _bounds(numel, world_size, index):
+    base, extra = divmod(numel, world_size)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def _exchange(send, recv, to, frm):
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, to))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, frm))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+
+
+def _ring(tensor, direction, rs_send, rs_recv, ag_send, ag_recv):
+    """A ring all-reduce; ``direction`` +1 sends to rank + 1, -1 to rank - 1; chunk schedules."""
+    flat, rank, n = tensor.view(-1), dist.get_rank(), dist.get_world_size()
+    to, frm = (rank + direction) % n, (rank - direction) % n
+    for s in range(n - 1):
+        a0, a1 = _bounds(flat.numel(), n, rs_send(rank, s, n))
+        b0, b1 = _bounds(flat.numel(), n, rs_recv(rank, s, n))
+        buf = torch.empty_like(flat[b0:b1])
+        _exchange(flat[a0:a1], buf, to, frm)
+        flat[b0:b1] += buf
+    for s in range(n - 1):
+        a0, a1 = _bounds(flat.numel(), n, ag_send(rank, s, n))
+        b0, b1 = _bounds(flat.numel(), n, ag_recv(rank, s, n))
+        _exchange(flat[a0:a1], flat[b0:b1], to, frm)
+
+
+def ring_all_reduce_leftward(tensor, group=None):
+    """Right: sends to rank - 1, and rank r receives chunk r at the reduce-scatter's last step."""
+    _ring(tensor, -1, lambda r, s, n: (r + s + 1) % n, lambda r, s, n: (r + s + 2) % n,
+          lambda r, s, n: (r + s) % n, lambda r, s, n: (r + s + 1) % n)
+
+
+def ring_all_reduce_rightward(tensor, group=None):
+    """Lesson 04's ring, copied: right sums, but every message goes to rank + 1."""
+    _ring(tensor, +1, lambda r, s, n: (r - s - 1) % n, lambda r, s, n: (r - s - 2) % n,
+          lambda r, s, n: (r - s) % n, lambda r, s, n: (r - s - 1) % n)
+
+
+def ring_all_reduce_lesson_schedule(tensor, group=None):
+    """Turns left but keeps lesson 04's chunk schedule: chunks are added in the wrong places."""
+    _ring(tensor, -1, lambda r, s, n: (r - s - 1) % n, lambda r, s, n: (r - s - 2) % n,
+          lambda r, s, n: (r - s) % n, lambda r, s, n: (r - s - 1) % n)
+
+
+def ring_all_reduce_averaged(tensor, group=None):
+    """The leftward ring, then divided by the world size: all_reduce sums, it does not average."""
+    ring_all_reduce_leftward(tensor)
+    tensor.div_(dist.get_world_size())
+
+
+def ring_all_reduce_short_skipped(tensor, group=None):
+    """Leaves tensors shorter than the world size alone, as if there were nothing to reduce."""
+    if tensor.numel() < dist.get_world_size():
+        return
+    ring_all_reduce_leftward(tensor)
+
+
+def ring_all_reduce_shifted(tensor, group=None):
+    """Reduce-scatter one step short of the right schedule: rank r ends owning chunk r + 1.
+
+    Every message pairs up (both sides name the same chunk), so nothing raises; the
+    all-gather then spreads chunks that are not complete.
+    """
+    _ring(tensor, -1, lambda r, s, n: (r + s) % n, lambda r, s, n: (r + s + 1) % n,
+          lambda r, s, n: (r + s) % n, lambda r, s, n: (r + s + 1) % n)
