@@ -56,12 +56,24 @@ def test_pack_then_unpack_round_trips_uneven_tensors():
             assert torch.equal(p, s)
 
 
-def test_zero_formula_divides_state_then_gradients():
-    ddp, z1, z2 = (zero_bytes_per_rank(1000, 4, s) for s in (0, 1, 2))
-    assert ddp["optimizer"] == 8000 and z1["optimizer"] == 2000 and z1["grads"] == 4000
-    assert z2["total"] == ddp["total"] / 4
+def test_zero_formula_divides_state_then_gradients_then_weights():
+    ddp, z1, z2, z3 = (zero_bytes_per_rank(1000, 4, s) for s in (0, 1, 2, 3))
+    assert ddp == {"params": 4000, "grads": 4000, "optimizer": 8000, "total": 16000}  # fp32 AdamW
+    assert z1["optimizer"] == 2000 and z1["grads"] == 4000 and z1["params"] == 4000
+    assert z2["grads"] == 1000 and z2["params"] == 4000
+    assert z3["params"] == 1000 and z3["total"] == ddp["total"] / 4
     with pytest.raises(ValueError, match="stage"):
-        zero_bytes_per_rank(1000, 4, 3)
+        zero_bytes_per_rank(1000, 4, 4)
+
+
+def test_zero_formula_reproduces_the_papers_figures():
+    """Rajbhandari et al. (2020), figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (K = 12)."""
+    per_param = zero_bytes_per_rank(1, 1, 0, mixed_precision=True)
+    assert per_param == {"params": 2, "grads": 2, "optimizer": 12, "total": 16}  # 2 + 2 + K
+    paper_gb = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}  # baseline, P_os, P_os+g, P_os+g+p
+    for stage, want in paper_gb.items():
+        got = zero_bytes_per_rank(7.5e9, 64, stage, mixed_precision=True)["total"] / 1e9
+        assert abs(got - want) <= 0.05, (stage, got, want)   # the paper prints one decimal
 
 
 # -- on several ranks ------------------------------------------------------------------------

@@ -36,26 +36,43 @@ def gradient_bytes(params, optimizer: Optimizer | None = None) -> int:
 
 
 def zero_bytes_per_rank(n_params: float, world_size: int, stage: int, *,
-                        grad_bytes: int = 4, optimizer: str = "adamw") -> dict[str, float]:
-    """Return the predicted gradient and optimizer-state bytes per rank under ZeRO stage 0-2.
+                        optimizer: str = "adamw", mixed_precision: bool = False) -> dict[str, float]:
+    """Return the predicted bytes per rank of weights, gradients and optimizer state under ZeRO.
 
-    Stage 0 is plain data parallelism (everything replicated); stage 1 divides the
-    optimizer state by ``N``; stage 2 the gradients too. Padding (< N elements per
-    tensor) is ignored.
+    The model of Rajbhandari et al. (2020), "ZeRO: Memory Optimizations Toward Training
+    Trillion Parameter Models", section 5. Per parameter a rank holds its weight, its gradient
+    and ``K`` bytes of optimizer state:
+
+    * fp32 training: 4 + 4 + K, with K the optimizer's fp32 state (8 for Adam/AdamW: two
+      moments), 16 bytes in all for AdamW;
+    * mixed precision (``mixed_precision=True``): 16-bit weights and gradients, 2 + 2 + K,
+      where K also holds the fp32 master copy of the weights the optimizer steps: K = 4 + 8 = 12
+      for Adam/AdamW, the paper's 16 bytes.
+
+    Stage 0 is plain data parallelism (everything replicated); stage 1 divides the optimizer
+    state (master copy included) by ``N``; stage 2 the gradients too; stage 3 the weights too.
+    Padding (< N elements per tensor) is ignored.
 
     Args:
         n_params: trainable parameters.
         world_size: ranks ``N``.
-        stage: 0, 1 or 2.
-        grad_bytes: bytes per gradient element (4 for fp32).
+        stage: 0, 1, 2 or 3.
         optimizer: a key of :data:`~dpcourse.costmodel.limits.OPTIMIZER_STATE_BYTES`.
+        mixed_precision: 16-bit weights and gradients plus an fp32 master copy (default:
+            fp32 weights and gradients, no copy).
 
     Returns:
-        ``{"grads", "optimizer", "total"}`` in bytes.
+        ``{"params", "grads", "optimizer", "total"}`` in bytes; ``"optimizer"`` includes the
+        master copy under mixed precision.
     """
-    if stage not in (0, 1, 2):
-        raise ValueError(f"stage must be 0, 1 or 2 (3 shards the parameters: see dpcourse.fsdp), "
-                         f"got {stage!r}.")
-    opt = n_params * OPTIMIZER_STATE_BYTES[optimizer] / (world_size if stage >= 1 else 1)
-    grads = n_params * grad_bytes / (world_size if stage >= 2 else 1)
-    return {"grads": grads, "optimizer": opt, "total": grads + opt}
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}.")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}.")
+    weight_bytes = 2 if mixed_precision else 4
+    k = OPTIMIZER_STATE_BYTES[optimizer] + (4 if mixed_precision else 0)  # + fp32 master copy
+    out = {"params": n_params * weight_bytes / (world_size if stage >= 3 else 1),
+           "grads": n_params * weight_bytes / (world_size if stage >= 2 else 1),
+           "optimizer": n_params * k / (world_size if stage >= 1 else 1)}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
