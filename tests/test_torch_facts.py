@@ -1,0 +1,822 @@
+"""What lessons 10 and 11 say about torch, NCCL and gloo, asked of torch itself.
+
+Every sentence of those lessons about what torch does names a test here. The tests
+ask torch, never dpcourse: they run torch DDP, torch's hooks, torch's Join and
+torch's SyncBatchNorm function on 2 CPU ranks over gloo, and count the collectives
+torch issues with ``torch.profiler`` (its ``c10d::`` operator events, which record
+the collectives of torch's C++ reducer too) or by recording the calls torch makes
+into ``torch.distributed``. Facts that need NCCL are marked ``gpu``.
+
+All the 2-rank probes run in one launch (a module fixture), so the file stays fast
+on a small CPU machine; each test then checks one statement.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from collections import Counter
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms import Join
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import dpcourse
+
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _mlp(seed=0, widths=(8, 32, 32, 1)):
+    """A plain Linear/tanh stack with fixed weights (torch modules only)."""
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+class _Unused(torch.nn.Module):
+    """An MLP with a layer its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.unused, self.fc2 = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 16),
+                                           torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _Buffered(torch.nn.Module):
+    """Linear then BatchNorm1d: three buffers (running_mean, running_var, num_batches_tracked)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.norm = torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def _c10d_ops(prof) -> Counter:
+    """Collectives torch issued inside a profiler context, by kind (c10d operator events)."""
+    kinds = Counter()
+    for e in prof.events():
+        if not e.name.startswith("c10d::"):
+            continue
+        name = e.name[len("c10d::"):]
+        if "allreduce" in name:
+            kinds["all_reduce"] += 1
+        elif "broadcast" in name:
+            kinds["broadcast"] += 1
+        elif "allgather" in name:
+            kinds["all_gather"] += 1
+        elif "barrier" not in name:
+            kinds[name] += 1
+    return kinds
+
+
+@contextmanager
+def _profiled():
+    """Profile the CPU side; ``yield`` a holder whose ``ops`` is the c10d count afterwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    holder = type("Ops", (), {})()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield holder
+    holder.ops = _c10d_ops(prof)
+
+
+@contextmanager
+def _recording(*names):
+    """Record the outermost calls torch makes to ``torch.distributed.<name>``.
+
+    Yields the list of calls as ``(name, dtype, numel)`` of the tensor sent.
+    """
+    calls, depth, saved = [], [0], {}
+
+    def wrap(name, fn):
+        def recorded(tensor_or_out, *args, **kwargs):
+            if depth[0] == 0:
+                t = kwargs.get("tensor", tensor_or_out)
+                if name.startswith("all_gather") and len(args) > 0 and torch.is_tensor(args[0]):
+                    t = args[0]  # all_gather(outs, tensor), all_gather_into_tensor(out, tensor)
+                calls.append((name, t.dtype, t.numel()))
+            depth[0] += 1
+            try:
+                return fn(tensor_or_out, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return recorded
+
+    for name in names:
+        if hasattr(dist, name):
+            saved[name] = getattr(dist, name)
+            setattr(dist, name, wrap(name, saved[name]))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _counting_hook(log):
+    """A comm hook that logs each bucket (index, parameters, bytes, all zeros?) and all-reduces."""
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        log.append(dict(index=bucket.index(), ids=[id(p) for p in bucket.parameters()],
+                        nbytes=buf.numel() * buf.element_size(), zero=bool((buf == 0).all()),
+                        storage=buf.untyped_storage().data_ptr()))
+        return default_hooks.allreduce_hook(state, bucket)
+    return hook
+
+
+def _defaults(fn) -> dict:
+    """Parameter name -> default value of ``fn``."""
+    return {k: v.default for k, v in inspect.signature(fn).parameters.items()}
+
+
+def _step(model, x, y=None):
+    out = model(x)
+    loss = out.sum() if y is None else F.mse_loss(out, y)
+    loss.backward()
+
+
+def _data(step, n=4, dim=8):
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(n, dim, generator=g), torch.randn(n, 1, generator=g)
+
+
+# ------------------------------------------------------------- probes run on each rank
+
+
+def _probe_buckets():
+    """Buckets per step (from a counting hook) and collectives per step, for DDP options."""
+    out = {}
+    configs = {"default": {}, "cap": dict(bucket_cap_mb=0.002),
+               "find_unused": dict(bucket_cap_mb=0.002, find_unused_parameters=True),
+               "static": dict(bucket_cap_mb=0.002, static_graph=True)}
+    for name, kw in configs.items():
+        model = DDP(_mlp(), **kw)
+        index = {id(p): i for i, p in enumerate(model.module.parameters())}
+        log = []
+        model.register_comm_hook(None, _counting_hook(log))
+        steps = []
+        for step in range(3):
+            log.clear()
+            with _profiled() as p:
+                _step(model, *_data(step))
+            steps.append(dict(buckets=len(log), ops=dict(p.ops),
+                              params=[sorted(index[i] for i in b["ids"]) for b in log]))
+        out[name] = steps
+    out["n_params"] = len(list(_mlp().parameters()))
+    return out
+
+
+def _probe_first_bucket():
+    """Default bucket_cap_mb on a 2 MiB model: bucket sizes in steps 1 and 2."""
+    model = DDP(_mlp(widths=(256,) * 9))  # 8 Linear(256, 256): about 2 MiB of fp32 gradients
+    log = []
+    model.register_comm_hook(None, _counting_hook(log))
+    sizes = []
+    for step in range(2):
+        log.clear()
+        _step(model, torch.randn(2, 256))
+        sizes.append([b["nbytes"] for b in log])
+    layer = max(p.numel() * p.element_size() for p in model.parameters())
+    return dict(sizes=sizes, total=sum(p.numel() * 4 for p in model.parameters()), layer=layer,
+                cap=model.bucket_bytes_cap)
+
+
+def _probe_hooks():
+    """Bucket API, the future's value, the default mean, and the 16-bit hooks' wire dtype."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    x, y = _data(0)
+    local = _mlp()
+    _step(local, x, y)
+    mine = torch.cat([p.grad.flatten() for p in local.parameters()])
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    out["local_grads"] = every
+
+    # the default (no hook): the mean of the ranks' gradients
+    model = DDP(_mlp())
+    _step(model, x, y)
+    out["default"] = torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    # a hook's future value is what lands in the gradients; the bucket's methods
+    api = {}
+
+    def seven(state, bucket):
+        buf = bucket.buffer()
+        api.update(buffer_is_1d=buf.dim() == 1, index=type(bucket.index()).__name__,
+                   is_last=type(bucket.is_last()).__name__,
+                   grads_match_params=len(bucket.gradients()) == len(bucket.parameters()),
+                   grads_sum_to_buffer=sum(g.numel() for g in bucket.gradients()) == buf.numel())
+        fut = torch.futures.Future()
+        fut.set_result(torch.full_like(buf, 7.0))
+        return fut
+    model = DDP(_mlp())
+    model.register_comm_hook(None, seven)
+    _step(model, x, y)
+    out["api"] = api
+    out["seven"] = all(bool((p.grad == 7).all()) for p in model.parameters())
+
+    # 16-bit hooks: what dtype crosses the wire, and what comes back
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        fn = getattr(default_hooks, f"{name}_compress_hook")
+
+        def call(state, bucket, fn=fn):  # a wrapper: DDP checks the bf16 hook by its name
+            return fn(state, bucket)
+        model = DDP(_mlp())
+        model.register_comm_hook(None, call)
+        with _recording("all_reduce") as calls:
+            _step(model, x, y)
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        sent = [(e / world).to(dtype) for e in every]
+        expect = sent[0]
+        for s in sent[1:]:
+            expect = expect + s  # the sum in the wire dtype, as the backend adds
+        out[name] = dict(wire=[c[1] for c in calls], wire_numel=sum(c[2] for c in calls),
+                         result_dtype=got.dtype, exact=torch.equal(got, expect.float()),
+                         numel=mine.numel())
+    # torch DDP's check of the bf16 hook at registration
+    try:
+        DDP(_mlp()).register_comm_hook(None, default_hooks.bf16_compress_hook)
+        out["bf16_register"] = "accepted"
+    except TypeError as err:
+        out["bf16_register"] = str(err)
+    return out
+
+
+def _probe_powersgd():
+    """Elements all-reduced per step by torch's PowerSGD hook, before and after its start."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    model = DDP(net)
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    per_step = []
+    for step in range(4):
+        with _recording("all_reduce") as calls:
+            _step(model, torch.randn(4, 32))
+        per_step.append(sum(c[2] for c in calls))
+    shapes = [tuple(p.shape) for p in net.parameters()]
+    return dict(per_step=per_step, shapes=shapes)
+
+
+def _probe_view():
+    """Does param.grad share storage with the bucket, with and without gradient_as_bucket_view?"""
+    out = {}
+    for view in (True, False):
+        model = DDP(_mlp(), gradient_as_bucket_view=view)
+        log = []
+        model.register_comm_hook(None, _counting_hook(log))
+        for step in range(2):  # the second step: after the rebuild
+            log.clear()
+            model.zero_grad(set_to_none=False)
+            _step(model, *_data(step))
+        storages = {b["storage"] for b in log}
+        out[view] = [p.grad.untyped_storage().data_ptr() in storages for p in model.parameters()]
+    return out
+
+
+def _probe_unused():
+    """torch DDP with a parameter the forward never uses, under each option."""
+    out = {}
+    for name, kw in (("find_unused", dict(find_unused_parameters=True)),
+                     ("static", dict(static_graph=True))):
+        model = DDP(_Unused(), bucket_cap_mb=0.0005, **kw)
+        log = []
+        model.register_comm_hook(None, _counting_hook(log))
+        extra = []
+        for step in range(3):
+            log.clear()
+            with _profiled() as p:
+                _step(model, *_data(step))
+            extra.append(p.ops["all_reduce"] - len(log))  # all-reduces beyond the buckets'
+        out[name] = dict(extra=extra, grads=[n for n, q in model.module.named_parameters()
+                                             if q.grad is None])
+    model = DDP(_Unused())
+    _step(model, *_data(0))
+    try:
+        _step(model, *_data(1))
+        out["default"] = "no error"
+    except RuntimeError as err:
+        out["default"] = str(err)
+    return out
+
+
+def _probe_buffers():
+    """broadcast_buffers: the buffer values the forward sees, and the broadcasts that carry them."""
+    rank = dist.get_rank()
+    model = DDP(_Buffered())
+    with torch.no_grad():
+        model.module.norm.running_mean.fill_(float(rank + 1))  # ranks disagree after construction
+    seen = []
+    model.module.norm.register_forward_pre_hook(lambda m, inp: seen.append(m.running_mean.clone()))
+    with _profiled() as p:
+        model(torch.randn(4, 8))
+    return dict(ops=dict(p.ops), buffers=[n for n, _ in model.module.named_buffers()],
+                dtypes=len({b.dtype for b in model.module.buffers()}), seen=seen[0])
+
+
+def _probe_join():
+    """torch DDP under Join with uneven batch counts: collectives, zeros, divisor, final copy."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counts = [3, 1]
+    out = {}
+    model = DDP(_mlp(), bucket_cap_mb=0.002)
+    log = []
+    model.register_comm_hook(None, _counting_hook(log))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _profiled() as p, Join([model]):
+        for step in range(counts[rank]):
+            _step(model, *_data(step))
+            opt.step()
+            opt.zero_grad()
+    params = torch.cat([q.detach().flatten() for q in model.parameters()])
+    every = [torch.empty_like(params) for _ in range(world)]
+    dist.all_gather(every, params)
+    out["ops"] = dict(p.ops)
+    out["hook_calls"] = len(log)
+    out["zero_buckets"] = sum(b["zero"] for b in log)
+    out["buckets"] = len({b["index"] for b in log})
+    out["equal_params"] = all(torch.equal(e, every[0]) for e in every)
+    # the divisor while rank 1 has joined: rank 0's gradient / 2 (default) or / 1
+    for divide in (True, False):
+        model = DDP(_mlp())
+        with Join([model], divide_by_initial_world_size=divide):
+            for step in range(counts[rank]):
+                x, y = _data(step)
+                if rank == 0 and step == 1:
+                    local = copy.deepcopy(model.module)
+                    _step(local, x, y)
+                    alone = torch.cat([q.grad.flatten() for q in local.parameters()])
+                model.zero_grad()
+                _step(model, x, y)
+                if rank == 0 and step == 1:
+                    got = torch.cat([q.grad.flatten() for q in model.parameters()])
+                    out[f"divide_{divide}"] = (got / alone).median().item()
+    return out
+
+
+def _probe_hang():
+    """torch DDP with one rank a batch short: the other waits in its all-reduce until timeout."""
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    model = DDP(_mlp(), process_group=group)
+    result = dict(error=None, waited=0.0)
+    for step in range(2 - rank):  # rank 0: 2 batches, rank 1: 1
+        t0 = time.perf_counter()
+        try:
+            _step(model, *_data(step))
+        except RuntimeError as err:
+            result.update(error=type(err).__name__ + ": " + str(err).splitlines()[0],
+                          waited=time.perf_counter() - t0)
+            break
+    dist.barrier()  # the default group still works: rank 1 waits here for rank 0's timeout
+    return result
+
+
+# ---------------------------------------------------------------- SyncBatchNorm on CPU
+# torch's SyncBatchNorm autograd function needs five statistics kernels that exist only for
+# GPUs. These CPU equivalents let torch's own function run over gloo, so its collectives can
+# be observed; the test compares the result with one process on the global batch, which
+# checks the kernels and torch's protocol together.
+
+
+def _flat(t):
+    return t.transpose(0, 1).reshape(t.shape[1], -1)
+
+
+def _bshape(t, x):
+    return t.view((1, -1) + (1,) * (x.dim() - 2))
+
+
+def _cpu_stats(x, eps):
+    f = _flat(x)
+    return f.mean(1), 1 / torch.sqrt(f.var(1, unbiased=False) + eps)
+
+
+def _cpu_gather(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
+    n = counts.view(-1, 1)
+    total = n.sum()
+    mean = (mean_all * n).sum(0) / total
+    var = ((1 / invstd_all**2 - eps + (mean_all - mean) ** 2) * n).sum(0) / total
+    if running_mean is not None:
+        running_mean.mul_(1 - momentum).add_(momentum * mean)
+        running_var.mul_(1 - momentum).add_(momentum * var * total / (total - 1))
+    return mean, 1 / torch.sqrt(var + eps)
+
+
+def _cpu_elemt(x, weight, bias, mean, invstd, eps):
+    y = (x - _bshape(mean, x)) * _bshape(invstd, x)
+    return y if weight is None else y * _bshape(weight, x) + _bshape(bias, x)
+
+
+def _cpu_backward_reduce(dy, x, mean, invstd, weight, need_input, need_weight, need_bias):
+    fdy, xmu = _flat(dy), _flat(x) - mean[:, None]
+    sum_dy, sum_dy_xmu = fdy.sum(1), (fdy * xmu).sum(1)
+    grad_weight = sum_dy_xmu * invstd if need_weight else None
+    return sum_dy, sum_dy_xmu, grad_weight, sum_dy if need_bias else None
+
+
+def _cpu_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    total = count.sum()
+    xmu = x - _bshape(mean, x)
+    inv = _bshape(invstd, x)
+    grad = dy - _bshape(sum_dy / total, x) - xmu * inv**2 * _bshape(sum_dy_xmu / total, x)
+    return grad * inv * (1 if weight is None else _bshape(weight, x))
+
+
+_CPU_KERNELS = dict(batch_norm_stats=_cpu_stats, batch_norm_gather_stats_with_counts=_cpu_gather,
+                    batch_norm_elemt=_cpu_elemt, batch_norm_backward_reduce=_cpu_backward_reduce,
+                    batch_norm_backward_elemt=_cpu_backward_elemt)
+
+
+@contextmanager
+def _cpu_batchnorm_kernels():
+    saved = {k: getattr(torch, k) for k in _CPU_KERNELS}
+    for k, fn in _CPU_KERNELS.items():
+        setattr(torch, k, fn)
+    try:
+        yield
+    finally:
+        for k, fn in saved.items():
+            setattr(torch, k, fn)
+
+
+_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base")
+
+
+def _sync_bn_collectives(device):
+    """Run torch's SyncBatchNorm function on this rank's shard; record its collectives."""
+    from torch.nn.modules._functions import SyncBatchNorm as SyncBatchNormFunction
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8 * world, 3, generator=g) * torch.tensor([1.0, 2.0, 3.0]) + 1
+    weight = torch.tensor([1.0, 0.5, 2.0], device=device, requires_grad=True)
+    bias = torch.tensor([0.0, 1.0, -1.0], device=device, requires_grad=True)
+    mine = x[rank * 8:(rank + 1) * 8].to(device).requires_grad_()
+    running_mean, running_var = torch.zeros(3, device=device), torch.ones(3, device=device)
+    with _recording(*_GATHERS) as forward_calls:
+        y = SyncBatchNormFunction.apply(mine, weight, bias, running_mean, running_var, 1e-5, 0.1,
+                                        dist.group.WORLD, world)
+    with _recording("all_reduce") as backward_calls:
+        (y * torch.arange(1.0, 4.0, device=device)).sum().backward()
+    ref = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        ref.weight.copy_(weight)
+        ref.bias.copy_(bias)
+    xr = x.clone().requires_grad_()
+    (ref(xr) * torch.arange(1.0, 4.0)).sum().backward()
+    own = slice(rank * 8, (rank + 1) * 8)
+    return dict(forward=forward_calls, backward=backward_calls,
+                output_error=(y.detach().cpu() - _global_bn(x, ref)[own]).abs().max().item(),
+                running_error=max((running_mean.cpu() - ref.running_mean).abs().max().item(),
+                                  (running_var.cpu() - ref.running_var).abs().max().item()),
+                grad_error=(mine.grad.cpu() - xr.grad[own]).abs().max().item())
+
+
+def _global_bn(x, ref):
+    """The training-mode output of ``ref`` on the global batch, without touching its buffers."""
+    return F.batch_norm(x, None, None, ref.weight.detach(), ref.bias.detach(), True, 0.0, ref.eps)
+
+
+def _probe_sync_batchnorm():
+    out = {}
+    try:
+        torch.nn.SyncBatchNorm(3)(torch.randn(4, 3))
+        out["module_on_cpu"] = "ran"
+    except ValueError as err:
+        out["module_on_cpu"] = str(err)
+    with _cpu_batchnorm_kernels():
+        out.update(_sync_bn_collectives("cpu"))
+    return out
+
+
+def _probe_all():
+    """Every probe, one launch: {name: result}."""
+    return {name: fn() for name, fn in (
+        ("buckets", _probe_buckets), ("first_bucket", _probe_first_bucket), ("hooks", _probe_hooks),
+        ("powersgd", _probe_powersgd), ("view", _probe_view), ("unused", _probe_unused),
+        ("buffers", _probe_buffers),
+        ("join", _probe_join), ("sync_batchnorm", _probe_sync_batchnorm), ("hang", _probe_hang))}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """The probes' results on each of 2 gloo ranks (CPU, no GPU visible)."""
+    return dpcourse.run(_probe_all, world_size=2, backend="gloo", device="cpu", timeout=240)
+
+
+def _by_rank(ranks, probe):
+    return [r[probe] for r in ranks]
+
+
+# =================================================================== lesson 10
+
+
+def test_gloo_default_timeout_is_30_minutes():
+    """Lesson 10, section 1: a process group over gloo waits 30 minutes by default before a
+    collective that never completes fails."""
+    from torch.distributed import constants
+    from torch.distributed.distributed_c10d import _get_default_timeout
+
+    assert constants.default_pg_timeout == timedelta(minutes=30)
+    assert _get_default_timeout(dist.Backend.GLOO) == timedelta(minutes=30)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="torch built without NCCL")
+def test_nccl_default_timeout_is_10_minutes():
+    """Lesson 10, section 1: an NCCL process group's default timeout is 10 minutes."""
+    from torch.distributed import constants
+    from torch.distributed.distributed_c10d import _get_default_timeout
+
+    assert constants.default_pg_nccl_timeout == timedelta(minutes=10)
+    assert _get_default_timeout(dist.Backend.NCCL) == timedelta(minutes=10)
+
+
+def test_ddp_rank_with_extra_batch_waits_in_all_reduce_until_timeout(ranks):
+    """Lesson 10, section 1: torch DDP with one rank a batch short: the other rank waits in the
+    all-reduce of its extra step until the process group's timeout (3 s here), then fails."""
+    longer, shorter = _by_rank(ranks, "hang")
+    assert shorter["error"] is None
+    assert longer["error"] is not None and "Timed out" in longer["error"], longer
+    assert longer["waited"] >= 2.9
+
+
+def test_distributed_sampler_gives_every_rank_the_same_length():
+    """Lesson 10, section 1: torch's DistributedSampler gives every rank the same number of
+    samples, padding (drop_last=False) or dropping (drop_last=True) the remainder."""
+    from torch.utils.data import DistributedSampler
+
+    for drop_last in (False, True):
+        lengths = {len(list(DistributedSampler(range(10), num_replicas=3, rank=r, shuffle=False,
+                                               drop_last=drop_last))) for r in range(3)}
+        assert lengths == ({4} if not drop_last else {3})
+
+
+def test_join_shadows_collectives_with_zero_buckets(ranks):
+    """Lesson 10, section 2: under Join, a rank that ran out of data issues the same collectives
+    as the others' steps: per step of the longest rank a "not joined" flag, a "will sync" flag
+    and one all-reduce per bucket, its buckets all zeros; then two more all-reduces to finish."""
+    longer, joined = _by_rank(ranks, "join")
+    assert longer["ops"] == joined["ops"]
+    assert longer["hook_calls"] == joined["hook_calls"]
+    assert longer["zero_buckets"] == 0
+    # rank 1 trained 1 step of 3: it shadowed steps 2 and 3 (2 buckets each) with zeros
+    assert joined["zero_buckets"] == 4 and joined["buckets"] == 2
+    steps = 3
+    assert joined["ops"]["all_reduce"] == 2 * steps + joined["hook_calls"] + 2
+
+
+def test_join_divides_by_initial_world_size_by_default(ranks):
+    """Lesson 10, section 2: under Join the averaged gradient is divided by the initial world
+    size; Join(..., divide_by_initial_world_size=False) divides by the ranks still training."""
+    longer = _by_rank(ranks, "join")[0]
+    assert longer["divide_True"] == pytest.approx(0.5, abs=1e-6)
+    assert longer["divide_False"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_join_ends_with_equal_parameters(ranks):
+    """Lesson 10, section 2: when every rank has joined, torch DDP copies the parameters of one
+    of the last ranks to finish to every rank: all end equal."""
+    assert all(r["equal_params"] for r in _by_rank(ranks, "join"))
+
+
+def test_ddp_broadcasts_rank0_buffers_before_forward(ranks):
+    """Lesson 10, section 3: torch DDP (default broadcast_buffers) copies rank 0's buffers to
+    every rank before each forward; it sends them coalesced, one broadcast per dtype (BatchNorm's
+    three buffers: running_mean, running_var, num_batches_tracked)."""
+    for r in _by_rank(ranks, "buffers"):
+        assert torch.equal(r["seen"], torch.ones(4))  # rank 0's value, on rank 1 too
+        assert r["buffers"] == ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
+        assert r["ops"] == {"broadcast": r["dtypes"]} and r["dtypes"] == 2
+
+
+def test_sync_batchnorm_module_refuses_cpu_input(ranks):
+    """Lesson 10, section 3: torch's nn.SyncBatchNorm refuses CPU tensors in a distributed run
+    (it supports GPU and XPU-like devices only)."""
+    for r in _by_rank(ranks, "sync_batchnorm"):
+        assert r["module_on_cpu"].startswith("SyncBatchNorm expected input tensor to be on GPU")
+
+
+def test_sync_batchnorm_all_gathers_stats_forward_all_reduces_backward(ranks):
+    """Lesson 10, section 3: torch's SyncBatchNorm function all-gathers each rank's
+    [mean, invstd, count] (2C + 1 numbers) in forward and all-reduces [sum dy, sum dy*(x-mean)]
+    (2C numbers) in backward, and matches BatchNorm on the global batch. Its statistics kernels
+    have no CPU implementation: CPU equivalents stand in for them here; the collectives and
+    their order are torch's own."""
+    for r in _by_rank(ranks, "sync_batchnorm"):
+        assert r["forward"] == [("all_gather", torch.float32, 2 * 3 + 1)]
+        assert r["backward"] == [("all_reduce", torch.float32, 2 * 3)]
+        assert max(r["output_error"], r["grad_error"], r["running_error"]) < 1e-5
+
+
+def _nccl_sync_batchnorm():
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    bn = torch.nn.SyncBatchNorm(3).to(device)
+    x = torch.randn(8, 3, device=device, requires_grad=True)
+    with _recording(*_GATHERS) as forward_calls:
+        y = bn(x)
+    with _recording("all_reduce") as backward_calls:
+        y.sum().backward()
+        torch.cuda.synchronize()
+    return forward_calls, backward_calls
+
+
+@pytest.mark.gpu(2)
+def test_sync_batchnorm_on_nccl_gathers_forward_reduces_backward():
+    """Lesson 10, section 3: on GPUs over NCCL, nn.SyncBatchNorm issues one all-gather of
+    2C + 1 numbers per layer in forward and one all-reduce of 2C numbers in backward."""
+    for forward_calls, backward_calls in dpcourse.run(_nccl_sync_batchnorm, world_size=2,
+                                                      backend="nccl", timeout=120):
+        assert [c[2] for c in forward_calls] == [2 * 3 + 1]
+        assert [(c[0], c[2]) for c in backward_calls] == [("all_reduce", 2 * 3)]
+
+
+def _first_update(opt_cls, scale, **kw):
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = opt_cls(model.parameters(), lr=1e-2, **kw)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    (scale * F.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1))).backward()
+    opt.step()
+    return (torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm().item()
+
+
+def test_sgd_step_scales_with_gradient_adamw_step_does_not():
+    """Lesson 10, section 5: torch's SGD step is lr x gradient, so a loss 4x too large makes a
+    4x step; AdamW's first step is lr x m / (sqrt(v) + eps), which the scale cancels (to eps)."""
+    sgd = _first_update(torch.optim.SGD, 4.0) / _first_update(torch.optim.SGD, 1.0)
+    adamw = (_first_update(torch.optim.AdamW, 4.0, weight_decay=0.0)
+             / _first_update(torch.optim.AdamW, 1.0, weight_decay=0.0))
+    assert sgd == pytest.approx(4.0, rel=1e-5)
+    assert adamw == pytest.approx(1.0, rel=1e-3)
+
+
+# =================================================================== lesson 11
+
+
+def test_comm_hook_bucket_interface_and_future_value(ranks):
+    """Lesson 11, section 1: torch's reducer calls hook(state, bucket) with a bucket offering
+    buffer() (flat, 1-D), gradients(), parameters(), index() and is_last(); the value of the
+    future the hook returns is what lands in the parameters' gradients."""
+    for r in _by_rank(ranks, "hooks"):
+        assert r["api"] == dict(buffer_is_1d=True, index="int", is_last="bool",
+                                grads_match_params=True, grads_sum_to_buffer=True)
+        assert r["seven"]
+
+
+def test_default_reduction_is_the_mean_over_ranks(ranks):
+    """Lesson 11, section 1: without a hook torch DDP's bucket reduction is the sum over ranks
+    divided by the world size."""
+    for r in _by_rank(ranks, "hooks"):
+        mean = sum(r["local_grads"]) / len(r["local_grads"])
+        assert torch.allclose(r["default"], mean, atol=1e-6)
+
+
+def test_16_bit_hooks_send_16_bits_and_return_fp32(ranks):
+    """Lesson 11, sections 1 and 2: torch's fp16_compress_hook and bf16_compress_hook divide the
+    bucket by the world size, cast it to float16 / bfloat16 and all-reduce that (2 bytes per
+    element on the wire); the gradients come back as float32 holding the 16-bit sum."""
+    for r in _by_rank(ranks, "hooks"):
+        for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+            h = r[name]
+            assert h["wire"] == [dtype] and h["wire_numel"] == h["numel"]
+            assert h["result_dtype"] == torch.float32 and h["exact"]
+
+
+def test_ddp_accepts_bf16_hook_only_with_cuda_and_nccl(ranks):
+    """Lesson 11, section 1: torch DDP refuses to register bf16_compress_hook unless torch is
+    built with CUDA and NCCL 2.10+ (or XPU with XCCL); a CPU-only torch refuses it."""
+    cuda_nccl = (torch.version.cuda is not None and dist.is_nccl_available()
+                 and torch.cuda.nccl.version() >= (2, 10))
+    for r in _by_rank(ranks, "hooks"):
+        if cuda_nccl:
+            assert r["bf16_register"] == "accepted"
+        elif not (hasattr(dist, "is_xccl_available") and dist.is_xccl_available()):
+            assert "BF16" in r["bf16_register"]
+
+
+def test_16_bit_mantissa_bits():
+    """Lesson 11, section 2: float16 keeps 10 explicit mantissa bits, bfloat16 7."""
+    assert torch.finfo(torch.float16).eps == 2.0**-10
+    assert torch.finfo(torch.bfloat16).eps == 2.0**-7
+
+
+def test_powersgd_defaults():
+    """Lesson 11, section 2: PowerSGDState's defaults: start_powerSGD_iter=1000 steps of plain
+    all-reduce first, error feedback on, rank 1, min_compression_rate 2; its documentation
+    warns that compressing too early can hurt accuracy."""
+    params = _defaults(powerSGD_hook.PowerSGDState.__init__)
+    assert params["start_powerSGD_iter"] == 1000
+    assert params["use_error_feedback"] is True
+    assert params["matrix_approximation_rank"] == 1
+    assert params["min_compression_rate"] == 2
+    doc = " ".join(powerSGD_hook.PowerSGDState.__doc__.split())
+    assert "compressing gradients too early" in doc
+
+
+def test_powersgd_sends_full_gradient_then_low_rank_factors(ranks):
+    """Lesson 11, section 1: torch's PowerSGD hook all-reduces the full gradient for its first
+    start_powerSGD_iter steps, then for each matrix worth compressing only two rank-r factors
+    (n*r + m*r numbers); vectors and small matrices go uncompressed."""
+    for r in _by_rank(ranks, "powersgd"):
+        full = sum(torch.Size(s).numel() for s in r["shapes"])
+        rank_r, min_rate = 1, 2
+        compressed = 0
+        for s in r["shapes"]:
+            n, m = s[0], torch.Size(s[1:]).numel()
+            worth = len(s) > 1 and (n + m) * rank_r * min_rate < n * m
+            compressed += (n + m) * rank_r if worth else n * m
+        assert r["per_step"] == [full, full, compressed, compressed]
+        assert compressed < full / 5
+
+
+def test_first_iteration_uses_one_bucket_then_rebuilds(ranks):
+    """Lesson 11, section 3: with find_unused_parameters=False torch DDP puts every gradient in
+    one bucket for the first step (no overlap in step 1), rebuilds its buckets in the order the
+    gradients arrived before the second step (two broadcasts), and never again."""
+    for r in _by_rank(ranks, "buckets"):
+        for cfg in ("default", "cap"):
+            steps = r[cfg]
+            assert steps[0]["params"] == [list(range(r["n_params"]))]
+            assert [s["ops"].get("broadcast", 0) for s in steps] == [0, 2, 0]
+        # bucket_cap_mb applies from step 2, in arrival order: the last layer's gradients first
+        assert [s["params"] for s in r["cap"]][1:] == [[[2, 3, 4, 5], [0, 1]]] * 2
+
+
+def test_first_bucket_is_1_mib_after_rebuild_with_default_cap(ranks):
+    """Lesson 11, section 3: with the default bucket_cap_mb (25 MiB) torch DDP's rebuilt buckets
+    start with a small one of about 1 MiB, the first to fill in backward."""
+    for r in _by_rank(ranks, "first_bucket"):
+        assert r["cap"] == 25 * MiB
+        assert r["sizes"][0] == [r["total"]]
+        first = r["sizes"][1][0]
+        assert MiB <= first < MiB + r["layer"] + 4 * 256  # closes once past 1 MiB
+        assert len(r["sizes"][1]) == 2
+
+
+def test_find_unused_parameters_buckets_in_reverse_order_without_rebuild(ranks):
+    """Lesson 11, sections 3 and 4: with find_unused_parameters=True torch DDP buckets by size
+    from the first step, in reverse registration order (bucket 0 holds the last parameters),
+    does not rebuild, and all-reduces one more tensor (the used-parameter map) every step."""
+    for r in _by_rank(ranks, "buckets"):
+        assert r["find_unused"][0]["params"] == [[3, 4, 5], [0, 1, 2]]
+        for s in r["find_unused"]:
+            assert s["buckets"] == 2 and s["ops"] == {"all_reduce": 3}
+
+
+def test_unused_parameter_without_option_fails_next_forward(ranks):
+    """Lesson 11, section 4: with a parameter the forward never uses and neither option, torch
+    DDP raises at the next step's forward, naming find_unused_parameters."""
+    for r in _by_rank(ranks, "unused"):
+        assert "Expected to have finished reduction in the prior iteration" in r["default"]
+        assert "find_unused_parameters=True" in r["default"]
+
+
+def test_unused_parameters_extra_all_reduce_and_static_graph(ranks):
+    """Lesson 11, section 4: find_unused_parameters=True costs one all-reduce beyond the
+    buckets' in every step; static_graph=True only in the first; the unused parameters'
+    .grad stays None either way."""
+    for r in _by_rank(ranks, "unused"):
+        assert r["find_unused"]["extra"] == [1, 1, 1]
+        assert r["static"]["extra"] == [1, 0, 0]
+        for name in ("find_unused", "static"):
+            assert r[name]["grads"] == ["unused.weight", "unused.bias"]
+
+
+def test_static_graph_rebuilds_after_second_step(ranks):
+    """Lesson 11, section 4: with static_graph=True torch DDP keeps one bucket for two steps
+    and rebuilds before the third."""
+    for r in _by_rank(ranks, "buckets"):
+        assert [s["buckets"] for s in r["static"]] == [1, 1, 2]
+        assert [s["ops"].get("broadcast", 0) for s in r["static"]] == [0, 0, 2]
+
+
+def test_gradient_as_bucket_view(ranks):
+    """Lesson 11, section 5: gradient_as_bucket_view is off by default; with True every
+    param.grad shares the bucket's storage, with False none does."""
+    assert _defaults(DDP.__init__)["gradient_as_bucket_view"] is False
+    for r in _by_rank(ranks, "view"):
+        assert all(r[True]) and not any(r[False])
