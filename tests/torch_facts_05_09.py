@@ -263,3 +263,12 @@ def test_autocast_keeps_parameters_and_gradients_float32():
     out.float().sum().backward()
     assert layer.weight.dtype == torch.float32
     assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
+
+
+def test_bfloat16_weight_loses_a_small_update():
+    """L09 c16: a bf16 weight cannot take a small update (1 + 0.001 rounds back to 1), which is why
+    mixed-precision training keeps fp32 master weights; in fp32 the update survives."""
+    for dtype, kept in ((torch.bfloat16, False), (torch.float32, True)):
+        w = torch.ones(1, dtype=dtype)
+        w.add_(torch.full((1,), 1e-3, dtype=dtype))
+        assert (w.item() != 1.0) is kept
