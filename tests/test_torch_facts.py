@@ -107,16 +107,23 @@ def _recording(*names):
     """
     calls, depth, saved = [], [0], {}
 
+    def sent(name, args, kwargs):
+        # all_gather(outs, tensor), all_gather_into_tensor(out, tensor) and the reduce-scatters
+        # (output, input) send their second argument; the others their first
+        second = name.startswith(("all_gather", "_all_gather", "reduce_scatter"))
+        keys = ("input", "input_tensor", "tensor", "input_list") if second else ("tensor",)
+        t = args[1] if second and len(args) > 1 else args[0] if not second and args else next(
+            kwargs[k] for k in keys if k in kwargs)
+        return t[0] if isinstance(t, (list, tuple)) else t
+
     def wrap(name, fn):
-        def recorded(tensor_or_out, *args, **kwargs):
+        def recorded(*args, **kwargs):
             if depth[0] == 0:
-                t = kwargs.get("tensor", tensor_or_out)
-                if name.startswith("all_gather") and len(args) > 0 and torch.is_tensor(args[0]):
-                    t = args[0]  # all_gather(outs, tensor), all_gather_into_tensor(out, tensor)
+                t = sent(name, args, kwargs)
                 calls.append((name, t.dtype, t.numel()))
             depth[0] += 1
             try:
-                return fn(tensor_or_out, *args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
         return recorded
@@ -331,6 +338,7 @@ def _probe_buffers():
     with _profiled() as p:
         model(torch.randn(4, 8))
     return dict(ops=dict(p.ops), buffers=[n for n, _ in model.module.named_buffers()],
+                prefixed=all(k.startswith("module.") for k in model.state_dict()),
                 dtypes=len({b.dtype for b in model.module.buffers()}), seen=seen[0])
 
 
@@ -510,12 +518,25 @@ def _probe_sync_batchnorm():
     return out
 
 
+def _probe_fsdp_reduce_dtype():
+    """fully_shard with reduce_dtype=bf16: the dtype reduce-scattered, and the gradients' dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                    reduce_dtype=torch.bfloat16))
+    with _recording("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter") as calls:
+        net(torch.randn(4, 8)).float().sum().backward()
+    return dict(wire=[c[1] for c in calls], grads={p.grad.dtype for p in net.parameters()})
+
+
 def _probe_all():
     """Every probe, one launch: {name: result}."""
     return {name: fn() for name, fn in (
         ("buckets", _probe_buckets), ("first_bucket", _probe_first_bucket), ("hooks", _probe_hooks),
         ("powersgd", _probe_powersgd), ("view", _probe_view), ("unused", _probe_unused),
-        ("buffers", _probe_buffers),
+        ("buffers", _probe_buffers), ("fsdp", _probe_fsdp_reduce_dtype),
         ("join", _probe_join), ("sync_batchnorm", _probe_sync_batchnorm), ("hang", _probe_hang))}
 
 
@@ -609,6 +630,15 @@ def test_ddp_broadcasts_rank0_buffers_before_forward(ranks):
         assert torch.equal(r["seen"], torch.ones(4))  # rank 0's value, on rank 1 too
         assert r["buffers"] == ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
         assert r["ops"] == {"broadcast": r["dtypes"]} and r["dtypes"] == 2
+
+
+def test_ddp_state_dict_keys_carry_module_prefix(ranks):
+    """Lesson 10, section 6: torch DDP's state_dict() prefixes every key with "module.", and a
+    bare model's load_state_dict refuses such keys (strict loading, the default)."""
+    assert all(r["prefixed"] for r in _by_rank(ranks, "buffers"))
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        net.load_state_dict({"module." + k: v for k, v in net.state_dict().items()})
 
 
 def test_sync_batchnorm_module_refuses_cpu_input(ranks):
@@ -716,6 +746,15 @@ def test_ddp_accepts_bf16_hook_only_with_cuda_and_nccl(ranks):
             assert r["bf16_register"] == "accepted"
         elif not (hasattr(dist, "is_xccl_available") and dist.is_xccl_available()):
             assert "BF16" in r["bf16_register"]
+
+
+def test_fsdp_reduce_dtype_bf16_reduce_scatters_bf16(ranks):
+    """Lesson 11, section 2 (forward link to lesson 14): fully_shard with
+    MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) reduce-scatters its gradients in bfloat16
+    and hands the optimizer float32 gradient shards."""
+    for r in _by_rank(ranks, "fsdp"):
+        assert r["wire"] and set(r["wire"]) == {torch.bfloat16}
+        assert r["grads"] == {torch.float32}
 
 
 def test_16_bit_mantissa_bits():
