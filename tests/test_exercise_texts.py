@@ -129,3 +129,120 @@ def test_only_short_tensors_failing_get_the_short_tensor_hint():
     awkward = result.criterion("awkward_lengths")
     assert not awkward.passed and "smaller than the world size" in awkward.hint
     assert "regular lengths fail too" not in awkward.hint
+
+
+# -- 09: the price of the halving-doubling all-reduce ---------------------------------------
+
+def _replay(per_rank: list, alpha: float, beta: float) -> float:
+    """The time the traced messages take when each exchange costs alpha + its bytes * beta.
+
+    An exchange is what one rank posts together and waits for (a send, a receive, or both
+    with one partner); it starts once both partners have finished their previous one, and
+    ends when the larger direction has arrived.
+    """
+    queues = []
+    for events in per_rank:
+        groups = []
+        for op, nbytes, start, end, peer in events:
+            if not groups or start > groups[-1]["end"]:
+                groups.append({"peer": peer, "sent": 0, "end": end})
+            group = groups[-1]
+            assert group["peer"] == peer, "one exchange talks to one partner"
+            group["sent" if op in ("send", "isend") else "received"] = \
+                group.get("sent" if op in ("send", "isend") else "received", 0) + nbytes
+            group["end"] = max(group["end"], end)
+        queues.append(groups)
+    clock = [0.0] * len(queues)
+    while any(queues):
+        for a, queue in enumerate(queues):
+            if not queue:
+                continue
+            b = queue[0]["peer"]
+            if queues[b] and queues[b][0]["peer"] == a:
+                nbytes = max(queue[0]["sent"], queues[b][0]["sent"])
+                clock[a] = clock[b] = max(clock[a], clock[b]) + alpha + nbytes * beta
+                queue.pop(0)
+                queues[b].pop(0)
+                break
+        else:
+            raise AssertionError("the traced exchanges do not pair up")
+    return max(clock)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.filterwarnings("ignore:.* ranks on .* CPU core")  # more ranks than cores is the point
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6])
+def test_the_halving_doubling_price_is_what_its_messages_take(solution, world_size):
+    """The check's model against exercise 04's solution, traced on real ranks and replayed."""
+    import cloudpickle
+
+    import dpcourse
+    from dpcourse.grading.checks.ex09_cost_model import halving_doubling_time
+
+    sol = solution("04_ring_all_reduce.ipynb")
+    cloudpickle.register_pickle_by_value(sol)
+    numel = 64  # a multiple of every p here: halves are exact
+
+    def traced():
+        import torch
+
+        from dpcourse.comm import CommTrace
+
+        x = torch.ones(numel)
+        with CommTrace() as trace:
+            sol.halving_doubling_all_reduce(x)
+        assert torch.equal(x, torch.full((numel,), float(world_size)))
+        return [(e.op, e.nbytes, e.start, e.end, e.peer) for e in trace.events]
+
+    per_rank = dpcourse.run(traced, world_size=world_size, backend="gloo")
+    for alpha, beta in ((1e-5, 1e-9), (0.0, 1.0), (1.0, 0.0), (3e-6, 4e-11)):
+        assert _replay(per_rank, alpha, beta) == pytest.approx(
+            halving_doubling_time(4 * numel, world_size, alpha, beta), rel=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_cost_solution_passes_every_criterion(solution):
+    sol = solution("09_cost_model.ipynb")
+    result = check("ring_cost", sol.ring_all_reduce_time, bytes_per_rank=sol.ring_bytes_per_rank,
+                   halving_doubling=sol.halving_doubling_time, quiet=True)
+    assert result.failed() == [], {c.name: c.detail for c in result.criteria if not c.passed}
+
+
+def test_unchanged_cost_exercise_scores_zero():
+    spec = get_spec("ring_cost")
+    result = run_check(spec, _exercise_cells("09_cost_model.ipynb"), spec.roles)
+    assert result.points == 0
+
+
+HD_OWN = {"halving_doubling_power_of_two", "halving_doubling_other_sizes"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("slip, failed, why, hint", [
+    ("hd_halving_only", HD_OWN, "the halving rounds alone", "doubling rounds"),
+    ("hd_log_of_n", {"halving_doubling_other_sizes"}, "log2 N rounds among all N ranks",
+     "rounds come in whole numbers"),
+    ("hd_no_handoff", {"halving_doubling_other_sizes"}, "without the ranks that sit out",
+     "leaves out the ranks that sit out"),
+    ("hd_ring", HD_OWN, "the ring's time", "Your time is the ring's")])
+def test_each_slip_fails_its_criterion_with_the_hint_of_its_cause(slip, failed, why, hint):
+    from planted import cost_bugs
+
+    result = check("ring_cost", cost_bugs.ring_all_reduce_time,
+                   bytes_per_rank=cost_bugs.ring_bytes_per_rank,
+                   halving_doubling=getattr(cost_bugs, slip), quiet=True)
+    assert set(result.failed()) == failed
+    for name in failed:
+        criterion = result.criterion(name)
+        assert why in criterion.detail and hint in criterion.hint, (name, criterion)
+    assert 0 < result.points < result.max_points
+
+
+@pytest.mark.timeout(300)
+def test_the_ring_alone_earns_only_part_1():
+    from planted import cost_bugs
+
+    result = check("ring_cost", cost_bugs.ring_all_reduce_time,
+                   bytes_per_rank=cost_bugs.ring_bytes_per_rank, quiet=True)
+    assert set(result.failed()) == HD_OWN
+    assert result.points <= 0.5 * result.max_points

@@ -11,6 +11,12 @@ def ring_bytes_per_rank(nbytes, world_size):
 
 def ring_all_reduce_time(nbytes, world_size, alpha, beta):
     return 2 * (world_size - 1) * alpha + ring_bytes_per_rank(nbytes, world_size) * beta
+
+
+def halving_doubling_time(nbytes, world_size, alpha, beta):
+    p = 1 << (world_size.bit_length() - 1)
+    time = 2 * (p.bit_length() - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+    return time + (2 * (alpha + nbytes * beta) if world_size > p else 0.0)
 '''
 
 MARK = '''
@@ -191,4 +197,5 @@ def honest(self_check=True):
     if not self_check:
         return [SOLUTION_09]
     return ["from dpcourse.grading import check", SOLUTION_09,
-            "check('ring_cost', ring_all_reduce_time, bytes_per_rank=ring_bytes_per_rank)"]
+            "check('ring_cost', ring_all_reduce_time, bytes_per_rank=ring_bytes_per_rank, "
+            "halving_doubling=halving_doubling_time)"]

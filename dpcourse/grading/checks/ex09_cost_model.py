@@ -1,23 +1,83 @@
-"""Exercise 09: the alpha-beta cost of a ring all-reduce (pure functions)."""
+"""Exercise 09: the alpha-beta cost of the ring, and of an all-reduce lesson 09 did not price.
+
+Part 1 writes lesson 09's ring formula as code. Part 2 prices exercise 04's
+halving-doubling all-reduce from its structure: ``log2 p`` halving rounds and as
+many doubling rounds among the largest power of two ``p <= N`` ranks, and, when
+``N > p``, one whole-tensor message into the rounds and one out of them for the
+ranks that sit out. The expected times come from :func:`halving_doubling_time`;
+``tests/test_exercise_texts.py`` holds it against the messages the exercise's
+solution really sends, replayed with the same alpha and beta.
+"""
 
 from __future__ import annotations
 
 import math
 
 from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_delegation
+
+HD = "halving_doubling"
+
+
+def halving_doubling_time(nbytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """Return the alpha-beta time of exercise 04's halving-doubling all-reduce.
+
+    Args:
+        nbytes: size of the tensor in bytes.
+        world_size: number of ranks ``N``; ``p`` is the largest power of two ``<= N``.
+        alpha: seconds of fixed cost per message.
+        beta: seconds per byte.
+
+    Returns:
+        ``2 log2(p) alpha + 2 (p - 1) / p nbytes beta``, plus ``2 (alpha + nbytes beta)`` when
+        ``N > p`` (the whole tensor into the rounds and the sum back out).
+    """
+    p = 1 << (int(world_size).bit_length() - 1)
+    rounds = p.bit_length() - 1
+    time = 2 * rounds * alpha + 2 * (p - 1) / p * nbytes * beta
+    return time + (2 * (alpha + nbytes * beta) if world_size > p else 0.0)
+
+
+def _slips(nbytes: float, n: int, alpha: float, beta: float) -> dict:
+    """Times that common slips give for ``n`` ranks, by the name of their hint."""
+    p = 1 << (n.bit_length() - 1)
+    rounds = 2 * (p.bit_length() - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+    handoff = 2 * (alpha + nbytes * beta) if n > p else 0.0
+    slips = {"one_phase": rounds / 2 + handoff,
+             "ring": 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta}
+    if n > p:
+        slips["real_log"] = 2 * math.log2(n) * alpha + 2 * (n - 1) / n * nbytes * beta
+        slips["no_handoff"] = rounds
+    return slips
+
+
+_SLIP_HINTS = {
+    "one_phase": ("Your time is half of it: the halving rounds leave each rank with one finished "
+                  "part, and the doubling rounds, as many and as large in reverse, bring the "
+                  "others back."),
+    "real_log": ("Your time uses log2 N rounds for an N that is not a power of two: rounds come "
+                 "in whole numbers, and only p ranks (the largest power of two <= N) run them; "
+                 "the others hand over their whole tensor before and get the sum back after."),
+    "no_handoff": ("Your time leaves out the ranks that sit out: their whole tensor goes to a "
+                   "partner before the rounds and the sum comes back after them, two messages "
+                   "of the full size on the chain every rank waits for."),
+    "ring": ("Your time is the ring's: 2 (N - 1) steps. The halving-doubling needs only "
+             "2 log2 p rounds among p ranks, p the largest power of two <= N."),
+}
 
 
 class RingCost(Exercise):
     """``ring_all_reduce_time(nbytes, world_size, alpha, beta)``: the alpha-beta estimate."""
 
-    name, exercise, title = "ring_cost", "09", "Cost of a ring all-reduce"
-    defines = (("main", "ring_all_reduce_time"), ("bytes_per_rank", "ring_bytes_per_rank"))
+    name, exercise, title = "ring_cost", "09", "Cost of an all-reduce, from its structure"
+    defines = (("main", "ring_all_reduce_time"), ("bytes_per_rank", "ring_bytes_per_rank"),
+               (HD, "halving_doubling_time"))
     criteria = (
         Criterion("matches_alpha_beta", "the ring's time with latency and bandwidth together, "
-                  "for sizes from 4 B to 1 GB and 2 to 1024 ranks",
+                  "for sizes from 4 B to 1 GB and 2 to 1024 ranks (part 1)",
                   "The time differs from the model's: the latency and bandwidth criteria each "
-                  "isolate one term; the one that fails names the part that is off.", weight=3),
+                  "isolate one term; the one that fails names the part that is off.", weight=2),
         Criterion("latency_term", "an empty tensor still costs alpha once per ring step",
                   "With zero bytes only latency is left, and yours is off: the count of messages "
                   "a rank waits for one after another, over both phases, differs from the "
@@ -35,6 +95,16 @@ class RingCost(Exercise):
                   "The bytes are off: count the chunks a rank sends in each phase, how large "
                   "each chunk is, and how many phases there are.",
                   requires="bytes_per_rank"),
+        Criterion("halving_doubling_power_of_two", "halving_doubling_time is exercise 04's "
+                  "halving-doubling on 2 to 1024 ranks, N a power of two (part 2)",
+                  "Count the messages a rank waits for one after another (halving, then "
+                  "doubling) and the bytes in each: a rank swaps half of what it still holds.",
+                  requires=HD, weight=4),
+        Criterion("halving_doubling_other_sizes", "halving_doubling_time for N not a power of "
+                  "two (3, 5, 6, 1000 ranks and more): the ranks that sit out included",
+                  "Only the ranks that run the rounds, p of them, halve and double; the others "
+                  "hand their whole tensor to a partner first and get the sum back at the end.",
+                  requires=HD, weight=3),
         no_delegation("matches_alpha_beta"),
     )
     notes = ("compared with the alpha-beta model to a relative tolerance of 1e-9, on fresh "
@@ -52,7 +122,13 @@ class RingCost(Exercise):
         cases += [("matches_alpha_beta", size(), n, rng.uniform(1e-6, 1e-5),
                    1 / rng.uniform(1e9, 1e11)) for n in (2, 16, 1024, rng.randrange(3, 9))]
         per_rank = [(size(), n) for n in (2, 4, 8, rng.randrange(3, 100), 1)]
-        return [{"time": cases, "bytes": per_rank}]
+        powers = (1, 2, 4, 8, 1024, 2 ** rng.randrange(4, 10))
+        others = (3, 5, 6, 1000, rng.choice([n for n in range(9, 1000) if n & (n - 1)]))
+        hd = [("halving_doubling_power_of_two", size(), n, rng.uniform(1e-6, 1e-5),
+               1 / rng.uniform(1e9, 1e11)) for n in powers]
+        hd += [("halving_doubling_other_sizes", size(), n, rng.uniform(1e-6, 1e-5),
+                1 / rng.uniform(1e9, 1e11)) for n in others]
+        return [{"time": cases, "bytes": per_rank, "hd": hd}]
 
     @staticmethod
     def rank_run(link, learner, inputs):
@@ -65,6 +141,10 @@ class RingCost(Exercise):
         for nbytes, n in inputs["bytes"] if fn is not None else []:
             begin(link, "bytes_per_rank")
             out["bytes"].append(_number(fn(nbytes, n)))
+        fn, out["hd"] = learner.get(HD), []
+        for crit, nbytes, n, alpha, beta in inputs["hd"] if fn is not None else []:
+            begin(link, crit)
+            out["hd"].append(_number(fn(nbytes, n, alpha, beta)))
         return out
 
     def judge(self, ws, inputs, outputs, events):
@@ -80,7 +160,31 @@ class RingCost(Exercise):
             want = oracles.ring_bytes_per_rank(nbytes, n)
             recs.append(Record("bytes_per_rank", _close(got, want),
                                f"got {got}, expected {want:g}", f"nbytes={nbytes:g}, N={n}"))
+        for (crit, nbytes, n, alpha, beta), got in zip(inputs[0]["hd"], outputs[0]["hd"]):
+            want = halving_doubling_time(nbytes, n, alpha, beta)
+            detail = f"got {got}, expected {want:.6g} s"
+            slip = next((k for k, t in _slips(nbytes, n, alpha, beta).items()
+                         if not _close(t, want) and _close(got, t)), None)
+            if slip:
+                detail += f" ({_SLIP_NAMES[slip]})"
+            recs.append(Record(crit, _close(got, want), detail,
+                               f"nbytes={nbytes:g}, N={n}, alpha={alpha:.3g}, beta={beta:.3g}"))
+        follow_causes(self, recs, _cause)
         return recs
+
+
+_SLIP_NAMES = {"one_phase": "the time of the halving rounds alone",
+               "ring": "the ring's time",
+               "real_log": "the time with log2 N rounds among all N ranks",
+               "no_handoff": "the time without the ranks that sit out"}
+
+
+def _cause(rec: Record) -> str:
+    """The hint for the slip a failing record's detail names, if any."""
+    for slip, name in _SLIP_NAMES.items():
+        if f"({name})" in rec.detail:
+            return _SLIP_HINTS[slip]
+    return ""
 
 
 def _number(x):
