@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dpcourse.comm.averaging import divide_before_sum
 from dpcourse.comm.p2p import (AllReduce, CompletedWork, check_reduce_args, flat_view,
                                global_rank, group_rank_and_size, recv, send)
 
@@ -65,14 +66,14 @@ def all_reduce_per_tensor(tensors, group: dist.ProcessGroup | None = None,
         all_reduce: the collective, with ``dist.all_reduce``'s in-place signature
             (``fn(tensor, group=group)``); ``None`` means ``dist.all_reduce``.
         average: divide by the world size, giving the mean instead of the sum.
-            The division happens before the sum, as torch DDP does, so fp16
-            values cannot overflow while being summed.
+            The division comes before the sum, as in torch DDP (why:
+            :mod:`dpcourse.comm.averaging`).
     """
     world_size = dist.get_world_size(group)
     for t in tensors:
         if t is None:
             continue
         if average:
-            t.div_(world_size)
+            divide_before_sum(t, world_size)
         # Looked up at call time so CommTrace, which patches dist, sees the call.
         (all_reduce or dist.all_reduce)(t, group=group)

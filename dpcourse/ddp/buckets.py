@@ -13,8 +13,10 @@ that crosses the cap stays in it, so a bucket may exceed the cap by one
 tensor, exactly as in torch DDP's ``_compute_bucket_assignment_by_size``).
 Tensors are never split, so this rule needs no special case: a tensor larger
 than the cap simply forms a bucket of its own, and ``bucket_cap_mb=0`` gives
-one bucket per parameter. Torch DDP also makes its first bucket smaller
-(1 MiB) so communication starts sooner; here every bucket uses the same cap.
+one bucket per parameter. Every bucket :func:`assign_buckets` makes has the
+same cap; a smaller first bucket, so that communication starts sooner, is
+:func:`~dpcourse.ddp.bucket_order.assign_buckets_in_order`'s job (the wrappers'
+``first_bucket_mb=``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpcourse.comm.averaging import divide_before_sum
 from dpcourse.formatting import MiB
-
 
 
 def check_bucket_cap(bucket_cap_mb) -> float:
@@ -182,14 +184,14 @@ class Bucket:
         return self.pending == 0
 
     @torch.no_grad()
-    def launch(self, all_reduce: Callable[..., Any], world_size: int, async_op: bool,
+    def launch(self, all_reduce: Callable[..., Any], divisor: int, async_op: bool,
                comm_hook: Callable[[Bucket], Any] | None = None) -> None:
-        """Average the bucket in place: divide by ``world_size``, then ``all_reduce`` the buffer.
+        """Average the bucket in place: divide by ``divisor``, then ``all_reduce`` the buffer.
 
         Args:
             all_reduce: ``fn(tensor, async_op=...)`` summing over the ranks in place.
-            world_size: what the sum is divided by: the number of ranks averaged over
-                (under ``Join``, optionally the ranks still training).
+            divisor: what the sum is divided by: the number of ranks averaged over
+                (the world size; under ``Join``, optionally the ranks still training).
             async_op: keep the work handle (:meth:`wait` waits for it) instead of blocking.
             comm_hook: ``fn(bucket) -> work or None`` that replaces both steps: a
                 registered communication hook owns the whole reduction, so nothing is
@@ -199,9 +201,8 @@ class Bucket:
         if comm_hook is not None:
             work = comm_hook(self)
         else:
-            # Divide BEFORE the sum, as torch DDP does: the sum then never exceeds the
-            # range of one rank's gradient (fp16/bf16 would overflow otherwise).
-            self.buffer.div_(world_size)
+            # Divide before the sum, as torch DDP does (why: dpcourse.comm.averaging).
+            divide_before_sum(self.buffer, divisor)
             work = all_reduce(self.buffer, async_op=async_op)
         self.work = work if self.grads_are_views else _CopyOut(work, self)
         self.launched = True

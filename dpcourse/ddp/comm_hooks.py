@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dpcourse.comm.averaging import divide_before_sum
+
 
 class GradBucket:
     """One bucket of gradients as a communication hook sees it (torch's ``dist.GradBucket``).
@@ -148,8 +150,8 @@ def mean_allreduce_hook(process_group, bucket: GradBucket) -> torch.futures.Futu
         Future of the averaged flat tensor (the bucket's buffer, reduced in place).
     """
     tensor = bucket.buffer()
-    # Divide first: the sum of N scaled values stays in one gradient's range (fp16/bf16).
-    tensor.div_(dist.get_world_size(process_group))
+    # Divide before summing, as torch DDP does (why: dpcourse.comm.averaging).
+    divide_before_sum(tensor, dist.get_world_size(process_group))
     work = dist.all_reduce(tensor, group=process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 

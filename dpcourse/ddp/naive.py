@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpcourse.comm.averaging import divide_before_sum
 from dpcourse.comm.p2p import AllReduce
 from dpcourse.ddp.base import DataParallelBase
 from dpcourse.ddp.comm_hooks import launch_comm_hook
@@ -67,10 +68,8 @@ class DataParallelNaive(DataParallelBase):
                 if buf is not grad:
                     grad.copy_(buf)
                 continue
-            # Divide BEFORE summing (as torch DDP does): the sum of N already-scaled
-            # values stays in the range of one gradient, which matters in fp16/bf16
-            # where summing first can overflow. In fp32 either order gives the mean.
-            buf.div_(divisor)
+            # Divide before summing, as torch DDP does (why: dpcourse.comm.averaging).
+            divide_before_sum(buf, divisor)
             self.all_reduce(buf)
             if buf is not grad:
                 grad.copy_(buf)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
+from dpcourse.comm.averaging import divide_before_sum
 from dpcourse.fsdp.flat import FlatShard
 from dpcourse.fsdp.flat_params import gathered
 from dpcourse.zero.collectives import reduce_scatter
@@ -104,12 +105,10 @@ class FSDPUnit:
         """Launch the reduce-scatter of a flat's full gradient; free the weights."""
         owner = self.owner
         grad = grad_full.to(owner.reduce_dtype or grad_full.dtype)
-        # fp16 can overflow a sum of N gradients: divide first (as DDP). fp32 and bf16 have
-        # fp32's range: sum, then divide only this rank's shard (as torch's fully_shard,
-        # which averages in the collective): N times fewer divisions, one rounding less.
-        divide_first = grad.dtype == torch.float16
-        if divide_first:
-            grad.div_(owner.world_size)  # grad_full is autograd's fresh buffer: ours to modify
+        # Divide first only where the sum can overflow (fp16; dpcourse.comm.averaging).
+        # Otherwise sum, then divide only this rank's shard: N times fewer divisions.
+        # grad_full is autograd's fresh buffer: ours to modify.
+        divide_first = divide_before_sum(grad, owner.world_size, only_if_sum_can_overflow=True)
         out = torch.empty(flat.chunk, dtype=grad.dtype, device=grad.device)
         work = reduce_scatter(out, grad, group=owner.group, async_op=True)
         owner._pending.append((flat, work, out, grad, not divide_first))

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.optim import Optimizer
 
+from dpcourse.comm.averaging import divide_before_sum
 from dpcourse.ddp.buckets import check_bucket_cap
 from dpcourse.zero import checkpoint
 from dpcourse.zero.collectives import all_gather, reduce_scatter
@@ -141,8 +142,8 @@ class ShardedOptimizer(Optimizer):
         if self.gradients == "sharded":
             for p in bucket.params:
                 p.grad = None  # ZeRO-2: the full gradient is not kept
-        # Divide BEFORE summing, as DDP does: low-precision sums stay in range.
-        matrix.div_(self.world_size)
+        # Divide before summing, as DDP does (why: dpcourse.comm.averaging).
+        divide_before_sum(matrix, self.world_size)
         out = torch.empty(bucket.row, dtype=matrix.dtype, device=matrix.device)
         work = reduce_scatter(out, matrix.view(-1), group=self.process_group, async_op=async_op)
         return work, out, matrix
