@@ -14,13 +14,26 @@ torch versions (e.g. GPU images) lack the new ones.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-# The rename warning would repeat in every lesson's output; the call is deliberate.
-warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)"
-                        r"` is deprecated", category=FutureWarning)
+_RENAMED = r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+@contextmanager
+def _old_name_is_deliberate() -> Iterator[None]:
+    """Silence torch's rename warning for the call inside, and only there.
+
+    The call is deliberate (see the module docstring); unsilenced, the warning
+    would repeat in every lesson's output. ``catch_warnings`` restores the
+    caller's filters on exit.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_RENAMED, category=FutureWarning)
+        yield
 
 
 def all_gather(output: torch.Tensor, block: torch.Tensor, group=None, async_op: bool = False):
@@ -36,7 +49,8 @@ def all_gather(output: torch.Tensor, block: torch.Tensor, group=None, async_op: 
         A work handle when ``async_op``, else ``None``.
     """
     # Looked up at call time so that CommTrace sees the call.
-    return dist.all_gather_into_tensor(output, block, group=group, async_op=async_op)
+    with _old_name_is_deliberate():
+        return dist.all_gather_into_tensor(output, block, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
@@ -51,7 +65,8 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group=None, async_o
     Returns:
         A work handle when ``async_op``, else ``None``.
     """
-    return dist.reduce_scatter_tensor(output, full, group=group, async_op=async_op)
+    with _old_name_is_deliberate():
+        return dist.reduce_scatter_tensor(output, full, group=group, async_op=async_op)
 
 
 def wire_bytes(op: str, nbytes: float, world_size: int) -> float:

@@ -4,15 +4,19 @@ Importable anywhere; the kernels need CUDA GPUs with peer access and Triton,
 which is imported only when a kernel is launched. On CPU the functions raise
 a clear error, and :mod:`~dpcourse.comm.kernels.schedule` simulates their
 block/peer schedule in plain Python.
+
+Importing changes no process state. NVLink multicast stays off: creating a
+workspace calls :func:`require_multicast_off`, which sets the variables that
+keep it off where they are unset and refuses values that allow it. Where the
+variables must hold from the start, setting them is the caller's job: call
+:func:`require_multicast_off` before the process group starts (in each rank,
+as :mod:`~dpcourse.comm.kernels.selfcheck` does, or before starting the ranks,
+which inherit the environment).
 """
 
 from dpcourse.comm.kernels.allreduce import one_shot_all_reduce, two_shot_all_reduce
-from dpcourse.comm.kernels.workspace import (default_multicast_off, release_workspaces,
-                                             require_multicast_off, symmetric_empty)
-
-# Processes started after this import (ranks) inherit multicast off; a value that
-# allows it is refused when a workspace is created.
-default_multicast_off()
+from dpcourse.comm.kernels.workspace import (release_workspaces, require_multicast_off,
+                                             symmetric_empty)
 
 __all__ = ["one_shot_all_reduce", "two_shot_all_reduce", "symmetric_empty",
            "release_workspaces", "require_multicast_off", "kernel_source"]

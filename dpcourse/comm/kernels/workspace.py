@@ -29,12 +29,6 @@ MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0
 MIN_BYTES = 1 << 20
 
 
-def default_multicast_off() -> None:
-    """Set the variables that keep NVLink multicast off, where they are unset (never raises)."""
-    for key, value in MULTICAST_OFF.items():
-        os.environ.setdefault(key, value)
-
-
 def process_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """Return ``group``, or the default group for ``None`` (it must be initialised)."""
     pg = group if group is not None else dist.group.WORLD
