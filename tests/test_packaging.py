@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,17 +15,78 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _names(specs: list[str]) -> set[str]:
-    return {re.split(r"[<>=!~\[ ;]", s.strip(), maxsplit=1)[0].lower().replace("_", "-") for s in specs}
+# Imported only by the NVLink kernels, on GPU machines, where torch's CUDA build brings it.
+GPU_ONLY_IMPORTS = {"triton"}
 
 
-def test_environment_yml_has_the_same_packages_as_pyproject():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = _names(project["dependencies"] + project["optional-dependencies"]["dev"])
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement(spec: str) -> tuple[str, str]:
+    """Split ``"Name >= 1.0"`` into ``("name", ">=1.0")``: normalized name, specifier."""
+    name, rest = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)(.*)", spec).groups()
+    return _normalized(name), re.sub(r"\s+", "", rest)
+
+
+def _environment_pip_requirements() -> list[str]:
     env = (ROOT / "environment.yml").read_text()
     pip_block = env.split("- pip:", 1)[1]
-    listed = _names(re.findall(r"^\s+- (\S+)\s*$", pip_block, flags=re.M))
-    assert listed == wanted, f"only in pyproject: {wanted - listed}; only in environment.yml: {listed - wanted}"
+    return [line.split("#")[0] for line in re.findall(r"^\s+- (.+)$", pip_block, flags=re.M)]
+
+
+def test_environment_yml_lists_exactly_pyprojects_dependencies():
+    project = _project()
+    wanted = sorted(_requirement(s) for s in
+                    project["dependencies"] + project["optional-dependencies"]["dev"])
+    listed = sorted(_requirement(s) for s in _environment_pip_requirements())
+    assert listed == wanted, (f"only in pyproject: {sorted(set(wanted) - set(listed))}; "
+                              f"only in environment.yml: {sorted(set(listed) - set(wanted))}")
+
+
+def test_requirement_parsing_keeps_the_version():
+    assert _requirement("jupyter_client >= 8.0") == ("jupyter-client", ">=8.0")
+    assert _requirement("torch>=2.11") != _requirement("torch>=2.3")
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Top-level modules imported anywhere in dpcourse/ (also inside functions) -> files."""
+    stdlib = set(sys.stdlib_module_names)
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "dpcourse").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in stdlib and top != "dpcourse":
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_module_the_package_imports_is_a_main_dependency():
+    """`pip install dpcourse` alone must run every command, `dpcourse grade` included."""
+    declared = {_requirement(s)[0] for s in _project()["dependencies"]}
+    providers = importlib.metadata.packages_distributions()
+    imports = _third_party_imports()
+    assert {"torch", "psutil", "nbformat", "nbclient", "nbconvert"} <= set(imports)
+    missing = {}
+    for module, files in sorted(imports.items()):
+        if module in GPU_ONLY_IMPORTS:
+            continue
+        dists = {_normalized(d) for d in providers.get(module, [])}
+        assert dists, f"{module} (imported in {sorted(files)}) is not installed here"
+        if not dists & declared:
+            missing[module] = (sorted(dists), sorted(files))
+    assert not missing, f"imported but not in [project] dependencies: {missing}"
 
 
 def test_readme_opens_with_the_two_make_commands_and_ci_runs_the_test_one():
