@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P, DistModule
 
@@ -140,6 +141,11 @@ class CheckpointResume(Exercise):
     defines = (("main", "save_checkpoint"), ("load_checkpoint", "load_checkpoint"))
     world_sizes = (2,)
     dist_api = P2P + COLLECTIVES
+    dist_why = ("Graded code here may call all_reduce, broadcast and barrier on tensors, and "
+                "send and receive tensors (send, recv, isend, irecv, P2POp, batch_isend_irecv); "
+                "the object collectives (broadcast_object_list, all_gather_object, "
+                "gather_object) and the other tensor collectives are not offered: put what a "
+                "rank must share into a tensor.")
     timeout = 60.0
     criteria = (
         Criterion("rank_0_writes", "only rank 0 calls torch.save, and when save_checkpoint "
@@ -162,8 +168,9 @@ class CheckpointResume(Exercise):
         Criterion("restores_each_ranks_rng", "right after loading, every rank's random number "
                   "generator is in the state it had at saving time",
                   "Dropout draws from each rank's own generator, and the ranks' states differ: "
-                  "a rank other than 0 resumed with a state that is not its own, because rank 0 "
-                  "can only write what has reached it.", requires="load_checkpoint", weight=2),
+                  "every rank must resume with the state it had itself at saving time, and "
+                  "rank 0 can only write what has reached it.", requires="load_checkpoint",
+                  weight=2),
         Criterion("exact_resume", "the resumed run's losses and final parameters equal the "
                   "uninterrupted run's", "Check the other criteria first: each names a piece of "
                   "state that did not come back.", requires="load_checkpoint", weight=2),
@@ -222,6 +229,7 @@ class CheckpointResume(Exercise):
         dist.barrier()  # the check's own wait: a missing one in save_checkpoint is judged above
         replica, opt, sampler = setup(inputs["fresh_seed"])
         torch.manual_seed(inputs["fresh_seed"])  # a new process: nothing survives but the file
+        fresh_rng = torch.get_rng_state()
         begin(link, "load_checkpoint")
         step = load(path, replica, opt, sampler)
         out["loaded"] = {
@@ -232,6 +240,8 @@ class CheckpointResume(Exercise):
                     len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
                     for a, b in zip(_opt_state(opt), saved["opt"]))),
             "rng": torch.equal(torch.get_rng_state(), saved["rng"]),
+            "rng_states": {"loaded": torch.get_rng_state(), "saved": saved["rng"],
+                           "fresh": fresh_rng},
             "epoch": [sampler.epoch, saved["epoch"]], "step": step if isinstance(step, int)
             else repr(step)}
         begin(link, "training after the resume")
@@ -266,8 +276,8 @@ class CheckpointResume(Exercise):
                       f"rank {r}: load_checkpoint returned {got['step']!r}, saved at step "
                       f"{STOP[1]}" if got["step"] != STOP[1] else "")
             recs.append(Record("restores_sampler_position", not detail, detail))
-            recs.append(Record("restores_each_ranks_rng", got["rng"], f"rank {r}: the "
-                               "generator's state is not the one this rank had at saving time"))
+            recs.append(Record("restores_each_ranks_rng", got["rng"],
+                               _rng_detail(r, outputs)))
             bad = [k for k, v in want["losses"].items() if k[0] == r and not math.isclose(
                 out["losses"].get(f"{k[1]},{k[2]}", math.nan), v, rel_tol=TOL[0], abs_tol=TOL[1])]
             params_ok = all(torch.allclose(a, b, rtol=TOL[0], atol=TOL[1])
@@ -277,4 +287,52 @@ class CheckpointResume(Exercise):
                                f"{out['losses'].get(f'{bad[0][1]},{bad[0][2]}')}, uninterrupted "
                                f"{want['losses'][bad[0]]}" if bad else
                                f"rank {r}: final parameters differ" if not params_ok else ""))
+        follow_causes(self, recs, _cause)
         return recs
+
+    def explain(self, text: str) -> str:
+        if "is not available to graded code" in text:
+            return self.dist_why
+        return ""
+
+
+_NOT_RESTORED = "no state was restored"
+_NO_RANKS = "a state no rank had at saving time"
+
+
+def _rng_detail(r: int, outputs: list) -> str:
+    """What rank ``r``'s generator holds after loading, when it is not its own saved state."""
+    states = outputs[r]["loaded"].get("rng_states")
+    if outputs[r]["loaded"]["rng"] or states is None:
+        return ""
+    head = f"rank {r}: the generator's state is not the one this rank had at saving time: "
+    if torch.equal(states["loaded"], states["fresh"]):
+        return head + f"{_NOT_RESTORED} (it is the state the new process started with)"
+    for q, out in enumerate(outputs):
+        theirs = out.get("loaded", {}).get("rng_states")
+        if q != r and theirs is not None and torch.equal(states["loaded"], theirs["saved"]):
+            return head + f"it holds the state rank {q} had at saving time"
+    return head + f"it holds {_NO_RANKS}"
+
+
+def _cause(rec: Record) -> str:
+    """The hint for the cause of a failing record (see ``hints``)."""
+    if rec.criterion != "restores_each_ranks_rng":
+        return ""
+    rank = rec.detail.split(":", 1)[0].capitalize()
+    if _NOT_RESTORED in rec.detail:
+        return (f"{rank} resumed with the generator state a new process starts with: "
+                "load_checkpoint set no generator state on it. Dropout draws from each rank's "
+                "own generator; restore it on every rank with torch.set_rng_state.")
+    if "holds the state rank " in rec.detail:
+        other = rec.detail.rsplit("holds the state rank ", 1)[1].split(" ", 1)[0]
+        return (f"{rank} resumed with rank {other}'s generator state, not its own: the ranks' "
+                "states differ, and rank 0 can only write what has reached it, so each rank's "
+                "state must travel to rank 0 before the save (a collective on a tensor), and "
+                "each rank must load its own entry back.")
+    if _NO_RANKS in rec.detail:
+        return (f"{rank} resumed with a generator state that no rank had at saving time: it "
+                "was read before or after other random draws than those at saving time (take "
+                "it when save_checkpoint is called, and set it last when loading), or it was "
+                "changed on the way.")
+    return ""
