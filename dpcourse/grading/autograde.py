@@ -3,22 +3,28 @@
 For each notebook:
 
 1. Run it top to bottom in a kernel the grader owns (:mod:`~dpcourse.grading.executor`,
-   its own session, private temp and runtime dirs). At the time limit the kernel and
+   its own session, private temp and runtime dirs), in a sandbox
+   (:mod:`~dpcourse.grading.sandbox`) that sees no network, no other file of the grader's
+   and no other submission, and writes only to a scratch folder of its own. At the time limit the kernel and
    everything it started (ranks, detached children) are killed; a dead kernel or a
    malformed notebook scores zero and grading carries on.
-2. Put back any file of the course package the notebook changed on disk.
+2. Without the sandbox, put back any file of the course package the notebook changed
+   on disk (in the sandbox it cannot change them).
 3. Take the learner's definitions from the cells that ran (``def``, ``class``,
    imports, plain values; never the calls) and run each check for the notebook's
    lesson number in fresh rank processes (:mod:`~dpcourse.grading.runner`), with the
    grader's world sizes and fresh random cases. Verdicts are reached in this process.
 
 Nothing the notebook writes (files, environment, its own ``check`` calls) is read
-as a result.
+as a result. Where the sandbox cannot run, grading is refused unless the instructor
+asks for it without one (``sandbox=False``, ``--no-sandbox``); every result then
+says "not sandboxed".
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from dpcourse.grading import procs
+from dpcourse.grading import procs, sandbox as sandboxing
 from dpcourse.grading.checks import for_notebook
 from dpcourse.grading.report import NOT_GRADED_STATUS, CheckResult, CriterionResult, strip_ansi
 from dpcourse.grading.checks import Exercise
@@ -77,6 +83,17 @@ def collect(paths: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+NOT_SANDBOXED = "not sandboxed"
+
+
+def _kernel_env(scratch: str) -> dict:
+    """The kernel's whole environment inside the sandbox (its home and temp are its own)."""
+    return {"JUPYTER_PLATFORM_DIRS": "1", "PYDEVD_DISABLE_FILE_VALIDATION": "1", SKIP_ENV: "1",
+            "IPYTHONDIR": os.path.join(scratch, ".ipython"),
+            "MPLCONFIGDIR": os.path.join(scratch, ".mpl"),
+            "JUPYTER_RUNTIME_DIR": os.path.join(scratch, ".runtime")}
+
+
 def _env(work: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPCOURSE_")}
     for key, sub in (("TMPDIR", "tmp"), ("JUPYTER_RUNTIME_DIR", "runtime"),
@@ -96,8 +113,12 @@ def _progress(path: str) -> list[str]:
         return []
 
 
-def execute(nb, timeout: float) -> Execution:
-    """Run notebook ``nb`` in an owned kernel; kill everything at ``timeout`` s of cell time."""
+def execute(nb, timeout: float, sandbox=None) -> Execution:
+    """Run notebook ``nb`` in an owned kernel; kill everything at ``timeout`` s of cell time.
+
+    With ``sandbox`` (a :class:`~dpcourse.grading.sandbox.Sandbox`) the kernel runs in it,
+    its scratch folder the notebook's working directory.
+    """
     import nbformat
 
     work = tempfile.mkdtemp(prefix="dpcourse-grade-")
@@ -105,12 +126,16 @@ def execute(nb, timeout: float) -> Execution:
     run_dir = os.path.join(work, "run")
     os.makedirs(run_dir)
     nbformat.write(nb, src)
+    argv = [sys.executable, "-m", "dpcourse.grading.executor", src, dst, progress]
+    if sandbox is not None:
+        argv.append(json.dumps({"bwrap": sandbox.bwrap, "package": sandbox.package,
+                                "env": _kernel_env(run_dir)}))
     before = {p.pid for p in psutil.Process().children()}
     proc = None
     try:
         with open(os.path.join(work, "executor.log"), "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "dpcourse.grading.executor", src, dst, progress],
+                argv,
                 cwd=run_dir, env=_env(work), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 start_new_session=True)
         started, deadline = time.monotonic(), None
@@ -132,6 +157,7 @@ def execute(nb, timeout: float) -> Execution:
                 return Execution("timeout", cell, f"cell {cell} was still running at the time "
                                  f"limit ({timeout:g} s); it and everything it started were "
                                  "stopped", _read(dst), time.monotonic() - deadline + timeout)
+            procs.reap(keep=before | {proc.pid})  # orphans the notebook left, as they end
             time.sleep(0.1)
         spent = time.monotonic() - deadline + timeout if deadline is not None else 0.0
         lines = _progress(progress)
@@ -186,8 +212,9 @@ def _zero(spec, why: str) -> CheckResult:
         for c in spec.criteria], spec.points, 0.0, [why])
 
 
-def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict, list, object]:
-    """Grade one notebook (its ``text`` read before any notebook ran)."""
+def grade_notebook(path: str, text: str, timeout: float, snapshot,
+                   sandbox=None) -> tuple[dict, list, object]:
+    """Grade one notebook (its ``text`` read before any notebook ran), in ``sandbox`` if given."""
     import nbformat
 
     name = os.path.basename(path)
@@ -206,7 +233,7 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict
         info = {"status": NOT_GRADED_STATUS, "message": "; ".join(dict.fromkeys(blocked.values())),
                 "changed_files": [], "cell_seconds": 0.0, "seconds": 0.0}
         return info, [CheckResult.not_graded_here(s, blocked[s.name]) for s in specs], None
-    run = execute(nb, timeout) if specs else Execution("ok", None, "no exercise check for it")
+    run = execute(nb, timeout, sandbox) if specs else Execution("ok", None, "no exercise check for it")
     changed = snapshot.restore() if snapshot is not None else []
     info = {"status": run.status, "message": run.message, "changed_files": changed,
             "cell_seconds": round(run.cell_seconds, 1)}
@@ -225,9 +252,13 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict
             results.append(CheckResult.not_graded_here(spec, blocked[spec.name]))
             continue
         if isinstance(spec, Exercise):
-            result = run_check(spec, cells, spec.roles, problems=problems)
+            result = run_check(spec, cells, spec.roles, problems=problems, sandbox=sandbox)
         else:
-            result = grade_in_process(spec, cells, sources, problems)
+            result = grade_in_process(spec, cells, sources, problems, timeout=timeout,
+                                      sandbox=sandbox)
+        if sandbox is None:
+            result.notes.insert(0, f"{NOT_SANDBOXED}: the grader was asked to run this "
+                                "notebook's code with its own rights (--no-sandbox)")
         if run.status != "ok":
             result.notes.insert(0, f"the notebook stopped early ({run.status}: {run.message}); "
                                 "only definitions from the cells before that were graded")
@@ -236,13 +267,18 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot) -> tuple[dict
     return info, results, run.executed
 
 
-def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None) -> dict:
+def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None,
+          sandbox: bool = True) -> dict:
     """Grade every notebook in ``paths`` (files, or folders searched recursively).
 
     Args:
         paths: notebooks or folders.
-        timeout: seconds of cell time allowed per notebook.
+        timeout: seconds of cell time allowed per notebook, and per in-process check.
         feedback: folder for one feedback notebook (and HTML) per graded notebook.
+        sandbox: run the notebook's code (kernel and ranks) in the sandbox
+            (:mod:`~dpcourse.grading.sandbox`); where it cannot run, :class:`UsageError`
+            says why. ``False`` (the instructor's ``--no-sandbox``) runs it with the
+            grader's own rights, and marks every notebook and row ``"sandboxed": false``.
 
     Returns:
         ``{"notebooks": [...], "results": [...], "points": p, "max_points": m,
@@ -262,24 +298,34 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None)
                 texts[path] = f.read()
         except (OSError, UnicodeDecodeError) as exc:
             texts[path] = f"<unreadable: {exc}>"
-    snapshot = PackageSnapshot()
+    if sandbox and (why := sandboxing.unavailable()) is not None:
+        raise UsageError(f"graded code cannot be sandboxed on this machine: {why}. Without "
+                         "the sandbox a notebook runs with your rights (your files, the "
+                         "network, the grader itself); to grade anyway, pass --no-sandbox "
+                         f"and every score is marked \"{NOT_SANDBOXED}\".")
+    # Sandboxed code cannot reach the package on disk; without the sandbox, whatever a
+    # notebook changes there is noticed and put back after it.
+    snapshot = None if sandbox else PackageSnapshot()
     notebooks, rows = [], []
-    with procs.subreaper(), _private_tempdir():
+    with procs.subreaper(), _private_tempdir(), (
+            sandboxing.prepared() if sandbox else contextlib.nullcontext()) as box:
         for path, submission in files:
-            info, results, executed = grade_notebook(path, texts[path], timeout, snapshot)
+            info, results, executed = grade_notebook(path, texts[path], timeout, snapshot, box)
             name = os.path.basename(path)
-            notebooks.append(dict(info, notebook=name, path=path, submission=submission))
+            notebooks.append(dict(info, notebook=name, path=path, submission=submission,
+                                  sandboxed=box is not None))
             for r in results:
                 status = ("graded" if info["status"] == "ok" else info["status"])
                 rows.append(dict(r.to_dict(), notebook=name, submission=submission,
-                                 status=NOT_GRADED_STATUS if r.not_graded else status))
+                                 status=NOT_GRADED_STATUS if r.not_graded else status,
+                                 sandboxed=box is not None))
             if feedback:
                 gradebook.write_feedback(feedback, submission, name, executed, texts[path],
                                          info, results)
     # A check this machine could not run is left out of the maximum, not counted as 0 of
     # its points: a learner's total stays a share of what was graded, and the points still
     # to grade elsewhere are reported beside it (not_graded_points).
-    return {"notebooks": notebooks, "results": rows,
+    return {"notebooks": notebooks, "results": rows, "sandboxed": bool(sandbox),
             "points": round(sum(r["points"] for r in rows), 1),
             "max_points": sum(gradebook.counted_max(r) for r in rows),
             "not_graded_points": sum(r["max_points"] - gradebook.counted_max(r) for r in rows)}

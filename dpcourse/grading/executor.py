@@ -5,14 +5,23 @@ directory, temp dir and Jupyter runtime dir, and kills it together with its
 kernel (and anything the kernel started) at the time limit. This process only
 runs the cells and records progress; it decides nothing about scores.
 
-Usage: ``python -m dpcourse.grading.executor IN.ipynb OUT.ipynb PROGRESS``. PROGRESS
-receives ``ready``, then ``start N`` before and ``done N`` after each code cell, and
-a last line ``end STATUS N MESSAGE``.
+Usage: ``python -m dpcourse.grading.executor IN.ipynb OUT.ipynb PROGRESS [SANDBOX]``.
+PROGRESS receives ``ready``, then ``start N`` before and ``done N`` after each code
+cell, and a last line ``end STATUS N MESSAGE``.
+
+With SANDBOX (JSON: ``bwrap``, ``package``, ``env``) the kernel, and only the kernel,
+runs in a sandbox (:mod:`dpcourse.grading.sandbox`) whose scratch folder is this
+process's working directory. Its channel to this process is ZeroMQ over Unix
+sockets in that folder (jupyter_client's ``ipc`` transport, relative names, so
+both sides use the same ones): the kernel has no network, not even the
+machine's loopback. This process, outside the sandbox, writes OUT and PROGRESS
+where the kernel cannot reach them.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import json
 import os
 import subprocess
 import sys
@@ -34,8 +43,8 @@ class _NoIriSyntax(importlib.abc.MetaPathFinder):
         return None
 
 
-def _kernel_manager_class():
-    """An async kernel manager whose kernel runs this very interpreter."""
+def _kernel_manager_class(sandbox: dict | None = None):
+    """An async kernel manager whose kernel runs this very interpreter (in ``sandbox``, if given)."""
     import ipykernel.kernelspec
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
@@ -48,12 +57,25 @@ def _kernel_manager_class():
     class Manager(AsyncKernelManager):
         def __init__(self, **kwargs):
             kwargs.setdefault("kernel_spec_manager", CurrentEnv())
+            if sandbox is not None:
+                # Unix sockets named relative to the shared working directory: short
+                # (a socket path has a ~100-byte limit) and the same on both sides.
+                kwargs.update(transport="ipc", connection_file="kernel.json", ip="kernel-ipc")
             super().__init__(**kwargs)
+
+        def format_kernel_cmd(self, extra_arguments=None):
+            cmd = super().format_kernel_cmd(extra_arguments)
+            if sandbox is None:
+                return cmd
+            from dpcourse.grading.sandbox import Sandbox
+
+            return Sandbox(sandbox["bwrap"], sandbox["package"]).command(
+                cmd, os.getcwd(), sandbox.get("env"))
 
     return Manager
 
 
-def main(src: str, dst: str, progress_path: str) -> int:
+def main(src: str, dst: str, progress_path: str, sandbox: str | None = None) -> int:
     sys.meta_path.insert(0, _NoIriSyntax())
     import nbformat
     from nbclient import NotebookClient
@@ -67,7 +89,8 @@ def main(src: str, dst: str, progress_path: str) -> int:
         os.replace(dst + ".tmp", dst)
 
     client = NotebookClient(nb, timeout=None, allow_errors=False,
-                            kernel_manager_class=_kernel_manager_class(),
+                            kernel_manager_class=_kernel_manager_class(
+                                json.loads(sandbox) if sandbox else None),
                             resources={"metadata": {"path": os.getcwd()}})
     status, index, message = "ok", -1, ""
     try:
@@ -96,4 +119,4 @@ def main(src: str, dst: str, progress_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    sys.exit(main(*sys.argv[1:5]))

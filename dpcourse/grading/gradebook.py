@@ -46,7 +46,8 @@ def score_table(report: dict) -> str:
              "check": r["check"],
              "criteria": "-" if r.get("not_graded") else f"{r['passed']}/{r['total']}",
              "points": (f"not graded (of {r['max_points']:g})" if r.get("not_graded")
-                        else f"{r['points']:g}/{r['max_points']:g}")}
+                        else f"{r['points']:g}/{r['max_points']:g}"
+                        + ("" if r.get("sandboxed", True) else " (not sandboxed)"))}
             for r in report["results"]]
     out = [format_table(rows)] if rows else ["no exercise checks matched these notebooks"]
     subs = sorted({r["submission"] for r in report["results"]})
@@ -56,6 +57,9 @@ def score_table(report: dict) -> str:
             out.append(f"{s}: {sum(r['points'] for r in mine):g}/"
                        f"{sum(counted_max(r) for r in mine):g} points")
     out.append(f"total: {report['points']:g}/{report['max_points']:g} points")
+    if report.get("sandboxed") is False:
+        out.append("not sandboxed: these notebooks ran with the grader's own rights "
+                   "(--no-sandbox); a notebook could have changed any of these scores")
     skipped = [r for r in report["results"] if r.get("not_graded")]
     if skipped:
         out.append(f"not graded on this machine: {len(skipped)} check(s), "
@@ -105,18 +109,20 @@ def write_csv(report: dict, path: str) -> None:
 
     buf = io.StringIO()
     w = csv.writer(buf)
+    bare = report.get("sandboxed") is False  # every row then says so, in its own column
     w.writerow(["submission", "notebook", "exercise", "check", "criterion", "weight", "passed",
-                "points", "max_points", "detail"])
+                "points", "max_points", "detail", *(["sandboxed"] if bare else [])])
+    mark = ["no"] if bare else []
     for row in report["results"]:
         if row.get("not_graded"):  # one row, empty points: not a 0 to be summed or imported
             w.writerow([row["submission"], row["notebook"], row["exercise"], row["check"],
-                        "not_graded", "", "", "", "", strip_ansi(row["not_graded"])])
+                        "not_graded", "", "", "", "", strip_ansi(row["not_graded"]), *mark])
             continue
         most = split_points(row["max_points"], [c["weight"] for c in row["criteria"]])
         for c, pts, top in zip(row["criteria"], criterion_points(row), most):
             w.writerow([row["submission"], row["notebook"], row["exercise"], row["check"],
                         c["name"], c["weight"], int(c["passed"]), pts, top,
-                        strip_ansi(c["detail"]).splitlines()[0] if c["detail"] else ""])
+                        strip_ansi(c["detail"]).splitlines()[0] if c["detail"] else "", *mark])
     _atomic_write(path, buf.getvalue())
 
 
@@ -142,11 +148,13 @@ def write_lms_csv(report: dict, path: str) -> None:
             marks[col] = r["points"]
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["Student", "ID", *columns, "Total", *(["Not graded"] if why else [])])
+    bare = report.get("sandboxed") is False
+    w.writerow(["Student", "ID", *columns, "Total", *(["Not graded"] if why else []),
+                *(["Sandboxed"] if bare else [])])
     for sub, marks in sorted(table.items()):
         w.writerow([sub, sub, *[marks.get(c, 0) for c in columns],
                     round(sum(v for v in marks.values() if v != ""), 1),
-                    *(["; ".join(why.get(sub, []))] if why else [])])
+                    *(["; ".join(why.get(sub, []))] if why else []), *(["no"] if bare else [])])
     _atomic_write(path, buf.getvalue())
 
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from dpcourse.grading import procs
@@ -58,12 +60,18 @@ def not_here_for_grader(spec) -> str | None:
 
 
 def grade_in_process(spec, cells: list[tuple[str, str]], sources: list[tuple[str, str]],
-                     problems: list[str] | None = None, timeout: float = 900.0) -> CheckResult:
+                     problems: list[str] | None = None, timeout: float = 900.0,
+                     sandbox=None) -> CheckResult:
     """Grade a check that still runs beside the learner's code, in a process of the grader's.
 
     The definitions come from the notebook's cells (after the static scan); the
     check picks its own world sizes; the result comes back through a pipe only
     this process reads and is rebuilt here from the check's own criteria.
+
+    Args:
+        timeout: seconds the whole check may take (``dpcourse grade --timeout``).
+        sandbox: a :class:`~dpcourse.grading.sandbox.Sandbox` the check's process (and
+            the ranks it starts, which share it) runs in, or ``None``.
     """
     why = not_here_for_grader(spec)
     if why:  # decided here, before anything of the notebook is loaded or any rank started
@@ -90,9 +98,13 @@ def grade_in_process(spec, cells: list[tuple[str, str]], sources: list[tuple[str
         return result
     read, write = os.pipe()
     before = {p.pid for p in procs.psutil.Process().children()}
-    proc = subprocess.Popen([sys.executable, "-m", "dpcourse.grading.inprocess_grade", str(write)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, pass_fds=(write,), start_new_session=True)
+    scratch = tempfile.mkdtemp(prefix=f"dpcourse-{spec.name}-")
+    argv = [sys.executable, "-m", "dpcourse.grading.inprocess_grade", str(write)]
+    if sandbox is not None:
+        argv = sandbox.command(argv, scratch, {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, pass_fds=(write,), cwd=scratch,
+                            start_new_session=True)
     os.close(write)
     try:
         proc.stdin.write(json.dumps({"spec": spec_path(spec), "cells": cells,
@@ -102,11 +114,14 @@ def grade_in_process(spec, cells: list[tuple[str, str]], sources: list[tuple[str
         with os.fdopen(read, "rb") as f:
             raw = f.read(1 << 22)
         got = json.loads(raw or b"{}")
-    except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
+    except subprocess.TimeoutExpired:
+        got = {"error": f"the check did not finish within the time limit ({timeout:g} s)"}
+    except (ValueError, OSError) as exc:
         got = {"error": f"the check did not finish ({type(exc).__name__})"}
     finally:
         procs.kill_tree([proc.pid])
         procs.kill_new_children(before)
+        shutil.rmtree(scratch, ignore_errors=True)
     if "criteria" not in got:
         return zero(strip_ansi(str(got.get("error", "the check returned nothing"))))
     by_name = {c.get("name"): c for c in got["criteria"] if isinstance(c, dict)}

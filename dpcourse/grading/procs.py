@@ -3,7 +3,8 @@
 Each child is started in its own session (its own process group). While
 grading, this process is a child subreaper (Linux), so a grandchild that
 detaches (``setsid`` + double fork) is re-parented here instead of to init and
-is still found, and killed, as a descendant.
+is still found, and killed, as a descendant; every sweep also reaps (``waitpid``)
+whatever has exited, so adopted orphans never pile up as zombies.
 """
 
 from __future__ import annotations
@@ -43,18 +44,63 @@ def subreaper():
             _set_subreaper(False)
 
 
+def reap(keep=()) -> int:
+    """Collect the exit status of every ended child of this process but ``keep``; return how many.
+
+    A subreaper adopts every orphan below it, and an adopted process that exits stays
+    a zombie until its parent waits for it: thousands of them would fill the process
+    table and slow every sweep. ``keep``: children whose status their owner still
+    waits for (a ``Popen`` of a caller).
+    """
+    count = 0
+    while True:
+        try:  # look first (WNOWAIT): the next ended child may be one of ``keep``
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return count
+        if info is None:
+            return count
+        if info.si_pid in keep:
+            break
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, os.WNOHANG)
+            count += 1
+    for proc in psutil.Process().children():  # one of ``keep`` ended: the others one by one
+        if proc.pid not in keep:
+            with contextlib.suppress(ChildProcessError):
+                count += os.waitpid(proc.pid, os.WNOHANG)[0] != 0
+    return count
+
+
 def descendants(pids) -> list[psutil.Process]:
     """Return the live processes below (and including) ``pids``."""
-    found = {}
-    for pid in pids:
+    # One table of parents for the whole sweep: asking each process for its children
+    # would read every process's status once per process.
+    below: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        below.setdefault(proc.info["ppid"], []).append(proc.pid)
+    found, todo = {}, list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
         try:
-            proc = psutil.Process(pid)
-            found[proc.pid] = proc
-            for child in proc.children(recursive=True):
-                found[child.pid] = child
+            found[pid] = psutil.Process(pid)
         except psutil.Error:
             continue
+        todo += below.get(pid, [])
     return list(found.values())
+
+
+def find_below(pid: int, marker: str) -> int | None:
+    """The pid of the highest process below ``pid`` whose command line contains ``marker``."""
+    for proc in sorted(descendants([pid]), key=lambda p: p.pid):
+        try:
+            if proc.pid != pid and any(marker in part for part in proc.cmdline()):
+                return proc.pid
+        except psutil.Error:
+            continue
+    return None
 
 
 def kill_tree(pids, grace: float = 0.0) -> None:
@@ -77,8 +123,10 @@ def kill_tree(pids, grace: float = 0.0) -> None:
 def kill_new_children(before: set[int]) -> None:
     """Kill every descendant of this process whose top ancestor here is not in ``before``."""
     for _ in range(3):  # a dying parent may hand us new orphans
+        reap(keep=before)
         mine = [p for p in psutil.Process().children() if p.pid not in before]
         if not mine:
             return
         kill_tree([p.pid for p in mine])
         time.sleep(0.05)
+    reap(keep=before)

@@ -96,7 +96,8 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[Record],
 
 def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
               timeout: float | None = None, seed: int | None = None,
-              problems: list[str] | None = None, pickled: str | None = None) -> CheckResult:
+              problems: list[str] | None = None, pickled: str | None = None,
+              sandbox=None) -> CheckResult:
     """Run ``spec`` on the learner's kept ``cells`` and return the judged result.
 
     Args:
@@ -108,6 +109,8 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
         problems: notes about cells that could not be read.
         pickled: the learner's objects by value (base64 cloudpickle) instead of ``cells``:
             the learner's own ``check()`` on objects whose source cannot be found.
+        sandbox: a :class:`~dpcourse.grading.sandbox.Sandbox` each rank runs in
+            (``dpcourse grade``), or ``None``: plain processes (the learner's own ``check()``).
 
     Returns:
         The :class:`CheckResult`.
@@ -137,7 +140,7 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
         rng = random.Random(seed if seed is not None else secrets.randbits(64))
         sizes = spec.world_sizes or (1,)
         setup = {"check": spec.name, "cells": cells, "names": present, "pickled": pickled}
-        with World(max(sizes), setup, label=spec.name) as world:
+        with World(max(sizes), setup, label=spec.name, sandbox=sandbox) as world:
             why = world.wait_ready(STARTUP_TIMEOUT)
             if why is not None:
                 failure = (None, why)

@@ -2,7 +2,10 @@
 
 The grader process holds one end of a socket pair per rank; ranks have no
 other way to reach each other through torch.distributed (see
-:mod:`dpcourse.grading.shim`). This module starts and stops the ranks and reads
+:mod:`dpcourse.grading.shim`). Under ``dpcourse grade`` each rank runs in a
+sandbox of its own (:mod:`dpcourse.grading.sandbox`): no network, and a scratch
+folder no other rank sees; its end of the socket pair is an inherited file
+descriptor, which needs no network. This module starts and stops the ranks and reads
 their sockets; :mod:`dpcourse.grading.relay` delivers point-to-point messages,
 computes collectives, counts each rank's bytes and keeps the order of
 everything a rank did, so structure is judged from the grader's own record.
@@ -41,19 +44,29 @@ class World:
         size: how many rank processes (the largest world size of the check).
         setup: the message each rank gets first (check name, source cells, names).
         label: used in temp-dir names.
+        sandbox: a :class:`~dpcourse.grading.sandbox.Sandbox` to start each rank in (with a
+            scratch folder of its own), or ``None`` for plain processes (the learner's
+            own ``check()``).
     """
 
-    def __init__(self, size: int, setup: dict, label: str = "check"):
+    def __init__(self, size: int, setup: dict, label: str = "check", sandbox=None):
         self.tmp = tempfile.mkdtemp(prefix=f"dpcourse-{label}-")
         self.procs, self.socks, self.readers, self.logs = [], [], [], []
-        env = _env(self.tmp)
+        self.sandboxed = sandbox is not None
         for rank in range(size):
             mine, theirs = socket.socketpair()
+            # The log stays in the grader's folder: the rank writes it through its stdout.
             log = open(os.path.join(self.tmp, f"rank{rank}.log"), "wb")
+            scratch = os.path.join(self.tmp, f"rank{rank}")
+            os.makedirs(scratch)
+            argv = [sys.executable, "-m", "dpcourse.grading.rank", str(theirs.fileno())]
+            env = _env(scratch)
+            if sandbox is not None:
+                argv = sandbox.command(argv, scratch, {k: v for k, v in env.items()
+                                                       if k not in ("PYTHONPATH", "TMPDIR")})
             proc = subprocess.Popen(
-                [sys.executable, "-m", "dpcourse.grading.rank", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, env=env, cwd=self.tmp, start_new_session=True)
+                argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, env=env, cwd=scratch, start_new_session=True)
             theirs.close()
             log.close()
             mine.settimeout(10.0)
@@ -174,9 +187,12 @@ class World:
     def stack(self, rank: int) -> str:
         """Ask rank ``rank`` for its Python stack (faulthandler on SIGUSR1) and return the dump."""
         path = os.path.join(self.tmp, f"rank{rank}.log")
+        pid = self.procs[rank].pid
+        if self.sandboxed:  # the rank's pid in the grader's view, below bubblewrap's
+            pid = procs.find_below(pid, "dpcourse.grading.rank") or pid
         try:
             size = os.path.getsize(path)
-            os.kill(self.procs[rank].pid, signal.SIGUSR1)
+            os.kill(pid, signal.SIGUSR1)
         except OSError:
             return ""
         for _ in range(20):

@@ -1,0 +1,175 @@
+"""The operating-system sandbox every process that runs graded code starts in (bubblewrap).
+
+``dpcourse grade`` runs the notebook's kernel and every rank under ``bwrap``
+(https://github.com/containers/bubblewrap), each in fresh namespaces of its own:
+
+* a PID namespace and a new session: the grader and the other graded processes are
+  not visible, so they cannot be signalled, ptraced or read through ``/proc``; no
+  capabilities, and no further user namespaces;
+* a network namespace with only its own loopback: no Internet, no DNS, no port of
+  the machine. The grader's channel is a file descriptor the process inherits (a
+  rank's socket pair) or a Unix socket in its scratch folder (the kernel's ZeroMQ
+  ``ipc`` transport), neither of which needs a network;
+* a mount namespace that shows the operating system's ``/usr`` and the Python
+  installation read-only, a copy of the course package without the grader's own
+  modules (:func:`package_copy`) read-only, a private ``/tmp`` and ``/dev/shm``, and
+  one writable folder, its scratch. The checkout (``solutions/``, the grader's
+  package), the grader's files and the other submissions are not there at all.
+
+Each rank gets its own scratch, so ranks share nothing on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+# Modules of the grader that graded code never needs: the answers, the judging of whole
+# notebooks, and the reports. Left out of the copy the sandbox sees.
+GRADER_ONLY = ("grading/oracles.py", "grading/autograde.py", "grading/gradebook.py",
+               "grading/executor.py", "grading/integrity.py", "grading/make_exercises.py",
+               "grading/sandbox.py", "grading/checks/join_verdicts.py",
+               "grading/checks/feedback_verdicts.py", "grading/checks/fsdp_verdicts.py")
+_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group",
+        "/etc/nsswitch.conf", "/etc/localtime", "/etc/alternatives")
+_KEEP_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM")
+
+
+class SandboxUnavailable(RuntimeError):
+    """This machine cannot start the sandbox; the message says why."""
+
+
+def package_root() -> str:
+    """The folder that holds the ``dpcourse`` package (the checkout, in a development install)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def package_copy(dest: str) -> str:
+    """Copy the course package's sources, less :data:`GRADER_ONLY`, under ``dest``; return it."""
+    src = os.path.join(package_root(), "dpcourse")
+    for folder, dirs, names in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+        rel = os.path.relpath(folder, src)
+        os.makedirs(os.path.join(dest, "dpcourse", rel), exist_ok=True)
+        for name in names:
+            key = os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/")
+            if name.endswith((".pyc", ".pyo")) or key in GRADER_ONLY:
+                continue
+            shutil.copy2(os.path.join(folder, name), os.path.join(dest, "dpcourse", rel, name))
+    return dest
+
+
+def _python_paths() -> list[str]:
+    """Folders of the Python installation graded code imports from, none of them the checkout.
+
+    Only the interpreter's prefixes and site-packages: never the current directory or
+    other ``sys.path`` entries, which may be the instructor's own folders.
+    """
+    pkg = os.path.join(package_root(), "dpcourse")
+    found = []
+    site = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    for p in [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+              *site]:
+        if not p or not os.path.isdir(p):
+            continue
+        p = os.path.realpath(p)
+        # A path above the package (the checkout on PYTHONPATH, say) would show solutions/.
+        if (pkg + os.sep).startswith(p.rstrip(os.sep) + os.sep) or p.startswith("/usr/"):
+            continue
+        if not any(p == q or p.startswith(q + os.sep) for q in found):
+            found = [q for q in found if not q.startswith(p + os.sep)] + [p]
+    return found
+
+
+def unavailable() -> str | None:
+    """Why the sandbox cannot run on this machine, or ``None`` when it can."""
+    if not sys.platform.startswith("linux"):
+        return f"the sandbox (bubblewrap) needs Linux; this is {sys.platform}"
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return ("bubblewrap (bwrap) is not installed: install it (Debian/Ubuntu: apt-get install "
+                "bubblewrap)")
+    probe = Sandbox(bwrap, package="/nonexistent").command(["/bin/true"], "/")
+    try:
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap did not start ({exc})"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        return (f"bubblewrap cannot create its namespaces here ({last}): user namespaces may be "
+                "disabled (sysctl kernel.unprivileged_userns_clone, or a container without them)")
+    return None
+
+
+@dataclass
+class Sandbox:
+    """How to start one graded process under bubblewrap.
+
+    Args:
+        bwrap: path of the ``bwrap`` program.
+        package: a folder holding the sandbox's copy of ``dpcourse`` (:func:`package_copy`),
+            put first on the graded process's ``PYTHONPATH``.
+    """
+
+    bwrap: str
+    package: str
+
+    def command(self, argv: list[str], scratch: str, env: dict | None = None) -> list[str]:
+        """Return ``argv`` wrapped to run in a fresh sandbox whose only writable folder is ``scratch``.
+
+        ``scratch`` keeps its own path inside (so Unix sockets and files in it have one
+        name on both sides) and is the working directory. ``env`` is the whole environment
+        inside (plus ``HOME``, ``TMPDIR`` and ``PYTHONPATH``, set here).
+        """
+        cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+               "--unshare-user", "--cap-drop", "ALL", "--disable-userns", "--clearenv",
+               "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev",
+               "--tmpfs", "/dev/shm", "--tmpfs", "/tmp"]
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+            if os.path.islink(top):
+                cmd += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                cmd += ["--ro-bind", top, top]
+        for path in _ETC:
+            cmd += ["--ro-bind-try", path, path]
+        gpus = sorted(glob.glob("/dev/nvidia*")) + sorted(glob.glob("/dev/dri/renderD*"))
+        for path in gpus:  # CUDA's device files; NCCL reads the topology under /sys
+            cmd += ["--dev-bind", path, path]
+        if gpus:
+            cmd += ["--ro-bind-try", "/sys", "/sys"]
+        for path in _python_paths():
+            cmd += ["--ro-bind", path, path]
+        if os.path.isdir(self.package):
+            cmd += ["--ro-bind", self.package, self.package]
+        cmd += ["--bind", scratch, scratch, "--chdir", scratch]
+        inside = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
+        inside.update(env or {})
+        inside.update(HOME=scratch, TMPDIR="/tmp", PYTHONPATH=self.package,
+                      PYTHONNOUSERSITE="1")
+        for key, value in sorted(inside.items()):
+            cmd += ["--setenv", key, value]
+        return cmd + ["--", *argv]
+
+
+@contextlib.contextmanager
+def prepared():
+    """Yield a :class:`Sandbox` with its own copy of the package, removed at the end.
+
+    Raises:
+        SandboxUnavailable: bubblewrap cannot run here (the message says why).
+    """
+    why = unavailable()
+    if why is not None:
+        raise SandboxUnavailable(why)
+    folder = tempfile.mkdtemp(prefix="dpcourse-sandbox-")
+    try:
+        package_copy(folder)
+        yield Sandbox(shutil.which("bwrap"), folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
