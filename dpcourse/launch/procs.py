@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from dpcourse.launch import guard
 from dpcourse.launch.env import worker_env
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.launch.relay import Relay
@@ -109,6 +110,7 @@ class Launch:
         clean_stale_workdirs()
         self.workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
         self.procs: list[subprocess.Popen] = []
+        self.guard: subprocess.Popen | None = None
         self.results: dict[int, dict] = {}
         self.relay = Relay(prefix_output)
         self.stopped = False
@@ -120,6 +122,11 @@ class Launch:
         with open(os.path.join(self.workdir, "payload.pkl"), "wb") as f:
             pickle.dump(self.spec, f)
         env = worker_env(hide_gpus=self.spec.hide_gpus)
+        # Started first and outside the ranks' groups, so it outlives us: it stops
+        # them and what they started should we be killed (see dpcourse.launch.guard).
+        self.guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", guard.__file__, self.workdir],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
         for rank in range(self.world_size):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dpcourse.launch.worker", self.workdir, str(rank),
@@ -133,6 +140,14 @@ class Launch:
             )
             self.procs.append(proc)
             self.relay.attach(rank, proc.stdout, proc.stderr)
+            self._tell_guard(f"{proc.pid}\n")
+
+    def _tell_guard(self, line: str) -> None:
+        try:
+            self.guard.stdin.write(line.encode())
+            self.guard.stdin.flush()
+        except (OSError, ValueError):  # the guard is gone (or told): stop() stops the ranks
+            pass
 
     def _load_result(self, rank: int) -> dict | None:
         if rank not in self.results and os.path.exists(self.path(rank, "result")):
@@ -249,21 +264,23 @@ class Launch:
         return [self.results[r]["value"] for r in range(self.world_size)]
 
     def _stop_once(self) -> None:
+        # Each rank's process group: the rank and anything it started, even if the
+        # rank itself is already gone (e.g. data-loading processes).
         for proc in self.procs:
-            # The whole process group: the rank and anything it started (even if the
-            # rank itself is already gone, e.g. data-loading processes).
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                if proc.poll() is None:
-                    proc.kill()
+            proc.kill()  # a rank may be stuck in C code (no-op for one already collected)
         for proc in self.procs:
             proc.wait()
+        guard.stop_groups([proc.pid for proc in self.procs])
+        for proc in self.procs:
             if not proc.stdin.closed:
                 try:
                     proc.stdin.close()
                 except OSError:  # broken pipe: the rank is gone anyway
                     pass
+        if self.guard is not None:
+            self._tell_guard("done\n")
+            self.guard.stdin.close()
+            self.guard.wait()
         self.relay.close()
         self.relay.show()  # what the ranks printed before they stopped
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -16,7 +16,10 @@ Protocol with the launching process (see :mod:`dpcourse.launch.procs`):
   can name) instead of failing with an echo such as "connection closed by peer";
 * the launcher writes ``exit`` on stdin once every rank has a result; the rank
   then destroys its process group and leaves with ``os._exit``;
-* EOF on stdin means the launcher died: the rank exits at once;
+* EOF on stdin means the launcher died: the rank exits at once (and the launch's
+  guard, :mod:`dpcourse.launch.guard`, ends what the rank started);
+* the rank reads that pipe through a private descriptor and its own stdin is
+  /dev/null, so processes it forks (DataLoader workers) start cleanly;
 * on SIGUSR1 the rank writes every thread's Python stack to ``WORKDIR/rank{r}.stack``.
 
 Only the standard library is imported at module level: torch is the one heavy
@@ -53,12 +56,26 @@ def _watch_parent(parent_pid: int) -> threading.Event:
             pass
     if os.getppid() != parent_pid:  # died before the line above took effect
         os._exit(EXIT_PARENT_DIED)
+    # Read the launcher's pipe through a private descriptor, never through sys.stdin:
+    # a thread blocked in sys.stdin.buffer holds that object's lock, and a process the
+    # learner forks (a DataLoader worker) inherits the lock held by a thread it does
+    # not have, then deadlocks when multiprocessing closes sys.stdin in the child.
+    # The rank's own stdin becomes /dev/null, as for any background process.
+    pipe = os.dup(0)  # not inherited across exec (PEP 446)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     release = threading.Event()
 
     def watch() -> None:
+        pending = b""
         try:
-            for line in sys.stdin.buffer:
-                if line.strip() == b"exit":
+            while True:
+                chunk = os.read(pipe, 4096)
+                if not chunk:
+                    break
+                pending += chunk
+                if b"exit\n" in pending:
                     release.set()
         except Exception:  # noqa: BLE001, S110 - a failed read means the parent is gone
             pass
@@ -66,6 +83,22 @@ def _watch_parent(parent_pid: int) -> threading.Event:
 
     threading.Thread(target=watch, name="dpcourse-parent-watch", daemon=True).start()
     return release
+
+
+def _private_temp_dir(workdir: str, rank: int) -> None:
+    """Make multiprocessing keep its files (``pymp-*`` sockets) in the launch's work directory.
+
+    DataLoader workers pass tensors through a socket in multiprocessing's temporary
+    directory, removed only when a process exits normally; a rank stopped by the
+    launcher (a failure, a timeout, Ctrl-C) and its workers are killed, so that
+    directory would stay in /tmp. Inside the work directory it goes with it. Processes
+    forked from the rank inherit the setting (``Process._config`` is copied at fork).
+    """
+    import multiprocessing.process
+
+    path = os.path.join(workdir, f"mp{rank}")
+    os.makedirs(path, exist_ok=True)
+    multiprocessing.process.current_process()._config["tempdir"] = path
 
 
 def _write(path: str, payload: dict) -> None:
@@ -157,6 +190,7 @@ def _call(workdir: str, rank: int, result_path: str) -> bool:
 
 def main(workdir: str, rank: int, parent_pid: int) -> None:
     release = _watch_parent(parent_pid)
+    _private_temp_dir(workdir, rank)
     # On SIGUSR1 (sent by the launcher at a timeout) write every thread's stack,
     # so the learner sees which collective each rank was stuck in. faulthandler
     # writes from C, so it works while the main thread is blocked in gloo/NCCL;
