@@ -48,6 +48,12 @@ def test_environment_yml_lists_exactly_pyprojects_dependencies():
                               f"only in environment.yml: {sorted(set(listed) - set(wanted))}")
 
 
+def test_environment_yml_asks_for_the_python_pyproject_requires():
+    env = (ROOT / "environment.yml").read_text()
+    python = re.search(r"^\s+- python(\S*)\s*$", env, flags=re.M)
+    assert python and python.group(1) == _project()["requires-python"]
+
+
 def test_requirement_parsing_keeps_the_version():
     assert _requirement("jupyter_client >= 8.0") == ("jupyter-client", ">=8.0")
     assert _requirement("torch>=2.11") != _requirement("torch>=2.3")
