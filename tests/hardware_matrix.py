@@ -10,6 +10,7 @@ Usage (``make test-gpu`` runs the first form)::
 
     python tests/hardware_matrix.py --out hardware.json
     python tests/hardware_matrix.py --only lessons/04 solutions/12 --out part.json
+    python tests/hardware_matrix.py --render cpu.json 1gpu.json 2gpu.json   # one table
 """
 
 from __future__ import annotations
@@ -75,13 +76,38 @@ def markdown(rows: list[dict], label: str) -> str:
     return "\n".join(lines)
 
 
+def combined(results: list[dict]) -> str:
+    """Render several machines' result files as one table: an item per row, a machine per column."""
+    by_machine: dict[str, list[dict]] = {}  # files of one machine (runs split in parts) join
+    for r in results:
+        by_machine.setdefault(r["machine"]["label"], []).extend(r["rows"])
+    labels = list(by_machine)
+    results = [{"rows": rows} for rows in by_machine.values()]
+    names: list[str] = []
+    for r in results:
+        names += [row["item"] for row in r["rows"] if row["item"] not in names]
+    lines = ["| item | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for name in names:
+        cells = []
+        for r in results:
+            row = next((x for x in r["rows"] if x["item"] == name), None)
+            cells.append("not run" if row is None else f"{row['result']} ({row['wall_s']:.0f} s)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=[],
                         help="run only the items whose name contains one of these")
     parser.add_argument("--out", type=pathlib.Path, help="write the rows and the machine here (JSON)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per item (default 900)")
+    parser.add_argument("--render", nargs="+", type=pathlib.Path, metavar="JSON",
+                        help="print one table from result files (written by --out), run nothing")
     args = parser.parse_args(argv)
+    if args.render:
+        print(combined([json.loads(path.read_text()) for path in args.render]))
+        return 0
     if args.out is not None and not args.out.parent.is_dir():
         parser.error(f"--out: folder {args.out.parent} does not exist")
     where = machine()
