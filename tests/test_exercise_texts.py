@@ -246,3 +246,33 @@ def test_the_ring_alone_earns_only_part_1():
                    bytes_per_rank=cost_bugs.ring_bytes_per_rank, quiet=True)
     assert set(result.failed()) == HD_OWN
     assert result.points <= 0.5 * result.max_points
+
+
+# -- 08: the message about what graded code may call, and hints that name the failing rank --
+
+def _checkpoint(save, load):
+    from planted import checkpoint_rng_bugs as bugs
+
+    return check("checkpoint_resume", getattr(bugs, save), load_checkpoint=getattr(bugs, load),
+                 quiet=True)
+
+
+@pytest.mark.timeout(300)
+def test_an_object_collective_is_refused_with_what_the_exercise_offers():
+    result = _checkpoint("save_with_object_gather", "load_checkpoint")
+    detail = result.criterion("rank_0_writes").detail
+    assert "all_gather_object is not available" in detail
+    assert "does not communicate" not in detail and "all_reduce, broadcast and barrier" in detail
+    assert "put what a rank must share into a tensor" in result.criterion("rank_0_writes").hint
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("save, load, why, hint", [
+    ("save_checkpoint", "load_without_rng", "rank 0: ", "Rank 0 resumed with the generator "
+     "state a new process starts with"),
+    ("save_checkpoint", "load_mirrored_rng", "rank 0: ", "Rank 0 resumed with rank 1's"),
+    ("save_rank_0_state_for_all", "load_checkpoint", "rank 1: ", "Rank 1 resumed with rank 0's")])
+def test_the_generator_hint_names_the_rank_that_failed_and_why(save, load, why, hint):
+    rng = _checkpoint(save, load).criterion("restores_each_ranks_rng")
+    assert not rng.passed and rng.detail.startswith(why) and hint in rng.hint, rng
+    assert "other than 0" not in rng.hint
