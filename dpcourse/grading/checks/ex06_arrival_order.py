@@ -17,6 +17,8 @@ from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
 from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.ex06_overlap import carried_over, mark_carried, reset_cause
+from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
@@ -132,13 +134,21 @@ class ArrivalOrderDDP(Exercise):
                 bad = d.first_mismatch(names, run["params"][-1], ref["single"]["params"][-1],
                                        tol_one)
                 recs.append(Record("matches_single_process", not bad, bad, case))
+                sizes, mine = {}, []
                 for step in range(1, d.STEPS):
                     got, overlap = d.overlap_records(d.step_events(events[r], i, step),
                                                      f"{case}, step {step}")
-                    recs.append(Record("buckets_follow_arrival", got == want, f"all-reduce sizes "
-                                       f"in issue order {got} bytes, the arrival order's buckets "
-                                       f"are {want}", f"{case}, step {step}"))
-                    recs += overlap
+                    sizes[step] = got
+                    mine.append(Record("buckets_follow_arrival", got == want, f"all-reduce "
+                                       f"sizes in issue order {got} bytes, the arrival order's "
+                                       f"buckets are {want}", f"{case}, step {step}"))
+                    mine += overlap
+                found = carried_over(sizes, want)
+                if found:  # step 0 only learns the order: the first bucketed step is step 1
+                    mark_carried(mine, case, *found)
+                    mark_carried([x for x in recs if x.case == case], case, *found)
+                recs += mine
+        follow_causes(self, recs, reset_cause)
         return recs
 
     def explain(self, text):

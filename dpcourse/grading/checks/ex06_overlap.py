@@ -4,11 +4,46 @@ from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
 from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
 MIB = d.MIB
 CAPS = (500 / MIB, 0.0)  # a few buckets, then one per parameter
+CARRIED = "issued exactly the right all-reduces"
+RESET_HINT = ("The first step went right and a later one did not: what your wrapper counts "
+              "during one step (how many gradients each bucket has received, the work in "
+              "flight) was not started afresh in finish_gradient_synchronization, so in the next "
+              "backward the buckets complete at the wrong time, or never.")
+
+
+def carried_over(sizes: dict, want: list) -> tuple[int, int] | None:
+    """``(good, bad)`` when the first judged step issued ``want`` and step ``bad`` did not.
+
+    Args:
+        sizes: ``{step: all-reduce sizes in issue order}`` of one rank and run.
+        want: the sizes every judged step should issue.
+    """
+    steps = sorted(sizes)
+    if not steps or sizes[steps[0]] != want:
+        return None
+    bad = next((s for s in steps[1:] if sizes[s] != want), None)
+    return None if bad is None else (steps[0], bad)
+
+
+def mark_carried(recs: list, where: str, good: int, bad: int) -> None:
+    """Say in each failing record of ``where`` from step ``bad`` on that step ``good`` was right."""
+    note = f" (step {good} {CARRIED})"
+    for rec in recs:
+        at = f"{rec.case} {rec.detail}"
+        after = [k for k in range(bad, d.STEPS) if f"step {k}" in at]
+        if not rec.passed and where in at and after and CARRIED not in rec.detail:
+            rec.detail += note
+
+
+def reset_cause(rec: Record) -> str:
+    """The reset hint for a record that :func:`mark_carried` marked."""
+    return RESET_HINT if CARRIED in rec.detail else ""
 
 
 class OverlappedDDP(Exercise):
@@ -62,19 +97,29 @@ class OverlappedDDP(Exercise):
         for i, cap in enumerate(CAPS):
             want = [sum(nbytes[j] for j in b) for b in oracles.buckets(nbytes, cap)]
             for r in range(ws):
+                sizes, mine = {}, []
                 for step in range(d.STEPS):
                     case = f"bucket_cap_mb={cap:g} ({cap * MIB:g} bytes), rank {r}, step {step}"
-                    recs += self._structure(d.step_events(events[r], i, step), want, case)
+                    sizes[step], structure = self._structure(d.step_events(events[r], i, step),
+                                                             want, case)
+                    mine += structure
+                found = carried_over(sizes, want)
+                if found:
+                    mark_carried(mine, f"rank {r}", *found)
+                    if i == 0:  # judge_training judges the first run's steps
+                        mark_carried(recs, f"rank {r},", *found)
+                recs += mine
+        follow_causes(self, recs, reset_cause)
         return recs
 
     @staticmethod
-    def _structure(events, want, case) -> list:
+    def _structure(events, want, case) -> tuple[list, list]:
         got, overlap = d.overlap_records(events, case)
-        return [Record("one_all_reduce_per_bucket", len(got) == len(want),
-                       f"{len(got)} all-reduces, expected {len(want)} buckets", case),
-                Record("buckets_in_reverse_order", got == want,
-                       f"all-reduce sizes in issue order {got} bytes, expected {want}", case),
-                *overlap]
+        return got, [Record("one_all_reduce_per_bucket", len(got) == len(want),
+                            f"{len(got)} all-reduces, expected {len(want)} buckets", case),
+                     Record("buckets_in_reverse_order", got == want,
+                            f"all-reduce sizes in issue order {got} bytes, expected {want}", case),
+                     *overlap]
 
     def explain(self, text):
         return d.explain(text)
