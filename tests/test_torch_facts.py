@@ -282,7 +282,16 @@ def _probe_powersgd():
             _step(model, torch.randn(4, 32))
         per_step.append(sum(c[2] for c in calls))
     shapes = [tuple(p.shape) for p in net.parameters()]
-    return dict(per_step=per_step, shapes=shapes)
+    residuals = {i: (e.numel(), e.norm().item()) for i, e in state.error_dict.items()}
+    # the same without error feedback: no residual is kept
+    plain = DDP(copy.deepcopy(net))
+    off = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                      use_error_feedback=False)
+    plain.register_comm_hook(off, powerSGD_hook.powerSGD_hook)
+    for step in range(4):
+        _step(plain, torch.randn(4, 32))
+    return dict(per_step=per_step, shapes=shapes, residuals=residuals,
+                residuals_off=len(off.error_dict))
 
 
 def _probe_view():
@@ -790,6 +799,16 @@ def test_powersgd_sends_full_gradient_then_low_rank_factors(ranks):
             compressed += (n + m) * rank_r if worth else n * m
         assert r["per_step"] == [full, full, compressed, compressed]
         assert compressed < full / 5
+
+
+def test_powersgd_keeps_error_feedback_residual(ranks):
+    """Lesson 11, section 2: with use_error_feedback (the default) torch's PowerSGD hook keeps,
+    per bucket, a residual the size of the bucket once it compresses; without it, none."""
+    for r in _by_rank(ranks, "powersgd"):
+        full = sum(torch.Size(s).numel() for s in r["shapes"])
+        assert [n for n, _ in r["residuals"].values()] == [full]  # one bucket here
+        assert all(norm > 0 for _, norm in r["residuals"].values())
+        assert r["residuals_off"] == 0
 
 
 def test_first_iteration_uses_one_bucket_then_rebuilds(ranks):
