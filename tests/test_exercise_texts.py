@@ -276,3 +276,31 @@ def test_the_generator_hint_names_the_rank_that_failed_and_why(save, load, why, 
     rng = _checkpoint(save, load).criterion("restores_each_ranks_rng")
     assert not rng.passed and rng.detail.startswith(why) and hint in rng.hint, rng
     assert "other than 0" not in rng.hint
+
+
+# -- 06: a count that is never reset is named as such -----------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, cls, criteria", [
+    ("overlapped_ddp", "OverlappedNoReset",
+     ("matches_torch_ddp", "one_all_reduce_per_bucket", "buckets_in_reverse_order",
+      "starts_during_backward")),
+    ("arrival_order", "ArrivalOrderNoReset",
+     ("matches_torch_ddp", "buckets_follow_arrival", "starts_during_backward"))])
+def test_a_per_step_count_never_reset_gets_the_reset_hint(name, cls, criteria):
+    from planted import overlap_reset_bugs
+
+    result = check(name, getattr(overlap_reset_bugs, cls), quiet=True)
+    for criterion in criteria:
+        c = result.criterion(criterion)
+        assert not c.passed and "issued exactly the right all-reduces" in c.detail, c
+        assert "not started afresh in finish_gradient_synchronization" in c.hint, c
+        assert "registration order" not in c.hint, c
+
+
+@pytest.mark.timeout(300)
+def test_the_overlap_solution_still_passes_and_gets_no_reset_hint(solution):
+    sol = solution("06_overlap.ipynb")
+    for name, cls in (("overlapped_ddp", sol.OverlappedDDP), ("arrival_order", sol.ArrivalOrderDDP)):
+        result = check(name, cls, quiet=True)
+        assert result.failed() == [], {c.name: c.detail for c in result.criteria if not c.passed}
