@@ -397,8 +397,10 @@ def test_forged_scores_earn_nothing_and_change_nothing(tmp_path):
     for what in ("__wrapped__", "_get_default_group", "calls exec()", "imports importlib",
                  "f_locals", "imports gc"):
         assert what in forge["no_delegation"]["detail"], what
-    assert status["05_disk.ipynb"]["status"] == "tampered"
-    assert report_py.read_bytes() == before  # put back
+    # The sandbox shows the kernel its package read-only: the write fails in the cell.
+    assert status["05_disk.ipynb"]["status"] == "error", status["05_disk.ipynb"]
+    assert "Read-only file system" in status["05_disk.ipynb"]["message"]
+    assert report_py.read_bytes() == before
     assert status["06_malformed.ipynb"]["status"] == "unreadable"
     assert rows[("09", "ring_cost")]["points"] == 10  # deleted from disk by 04, graded anyway
     assert all(r["points"] == 0 for key, r in rows.items() if key[0] != "09"), rows.keys()

@@ -79,7 +79,7 @@ attempt("proc", grader)
 
 def ptrace():
     libc = ctypes.CDLL(None, use_errno=True)
-    pid = os.getppid()
+    pid = grader()
     if libc.ptrace(16, pid, 0, 0) != 0:  # PTRACE_ATTACH
         raise OSError(ctypes.get_errno(), "ptrace")
     libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
@@ -245,3 +245,120 @@ def test_ranks_share_no_disk_no_network_and_cannot_write_the_package(tmp_path, m
         assert "BROKE" not in text, text
         for name in ("shared-disk", "package", "tcp", "oracles"):
             assert f"BLOCKED {name}" in text, (name, text)
+
+
+def test_without_the_sandbox_grading_is_refused_and_says_why(tmp_path):
+    """No bwrap on PATH: exit 2 with the reason and the flag, before any notebook runs."""
+    _notebook(tmp_path / "subs" / "a" / "01_why_data_parallel.ipynb", _solution_cells("01"))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "dpcourse.cli", "grade", str(tmp_path / "subs")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dpcourse grade: error: graded code cannot be sandboxed"), last
+    assert "bubblewrap" in last and "--no-sandbox" in last, last
+    assert "Traceback" not in proc.stderr and "points" not in proc.stdout
+
+
+@pytest.mark.timeout(600)
+def test_no_sandbox_grades_and_marks_every_score(tmp_path):
+    """--no-sandbox, asked for where bwrap is missing: graded, and every score says so."""
+    _notebook(tmp_path / "subs" / "a" / "01_why_data_parallel.ipynb", ["x = 1"])
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable), PYTHONPATH=str(ROOT))
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "dpcourse.cli", "grade", str(tmp_path / "subs"),
+                           "--no-sandbox", "--json", str(out), "--csv", str(tmp_path / "r.csv")],
+                          capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["sandboxed"] is False
+    assert report["results"] and all(r["sandboxed"] is False for r in report["results"])
+    assert all(r["notes"][0].startswith("not sandboxed") for r in report["results"])
+    table = [ln for ln in proc.stdout.splitlines() if "mean_gradient" in ln]
+    assert table and all("(not sandboxed)" in ln for ln in table), proc.stdout
+    assert "not sandboxed:" in proc.stdout
+    rows = (tmp_path / "r.csv").read_text().splitlines()
+    assert rows[0].endswith(",sandboxed") and all(r.endswith(",no") for r in rows[1:])
+
+
+ORPHANS = textwrap.dedent('''
+    import json, os, sys, time
+    import psutil
+    from dpcourse.grading import procs
+
+    with procs.subreaper():
+        before = {p.pid for p in psutil.Process().children()}
+        child = os.fork()
+        if child == 0:  # forks and exits 3,000 times: every grandchild is handed to us
+            for _ in range(3000):
+                if os.fork() == 0:
+                    os._exit(0)
+            os._exit(0)
+        os.waitpid(child, 0)
+        time.sleep(1.0)
+        def zombies():
+            return sum(p.status() == psutil.STATUS_ZOMBIE for p in psutil.Process().children())
+        adopted = zombies()
+        t0 = time.monotonic()
+        procs.kill_new_children(before)
+        took = time.monotonic() - t0
+        print(json.dumps({"adopted": adopted, "left": zombies(), "seconds": took}))
+''')
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreaper is Linux's")
+@pytest.mark.timeout(300)
+def test_adopted_orphans_are_reaped_in_one_quick_sweep():
+    proc = subprocess.run([sys.executable, "-c", ORPHANS], capture_output=True, text=True,
+                          timeout=240, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["adopted"] >= 2900, got  # the orphans did come to the grader, as zombies
+    assert got["left"] == 0, got
+    assert got["seconds"] < 30, got
+
+
+def test_reaping_leaves_a_child_its_owner_still_waits_for():
+    """A caller's Popen keeps its exit status: reap() skips the pids it is told to keep."""
+    kept = subprocess.Popen([sys.executable, "-c", "raise SystemExit(7)"])
+    other = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(psutil_status(p.pid) == "zombie" for p in (kept, other)):
+            break
+        time.sleep(0.1)
+    from dpcourse.grading import procs
+
+    assert procs.reap(keep={kept.pid}) >= 1
+    assert psutil_status(other.pid) is None  # reaped
+    assert kept.wait(timeout=10) == 7
+
+
+def psutil_status(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return None
+
+
+HANGING_ZERO_STEP = '''
+def zero_step(params, shard_optimizer, group=None):
+    while True:
+        pass
+'''
+
+
+@needs_sandbox
+@pytest.mark.timeout(600)
+def test_exercise_13_check_obeys_the_timeout(tmp_path):
+    """The in-process check of exercise 13 is stopped at --timeout, not at its own limits."""
+    _notebook(tmp_path / "subs" / "a" / "13_zero.ipynb",
+              [HANGING_ZERO_STEP, "if False:\n    check('sharded_step', zero_step)"])
+    proc, report = _grade(tmp_path, tmp_path / "subs", "--timeout", "12")
+    (row,) = [r for r in report["results"] if r["check"] == "sharded_step"]
+    assert row["points"] == 0
+    details = " ".join(c["detail"] for c in row["criteria"])
+    assert "within the time limit (12 s)" in details, details
+    assert row["seconds"] < 12 + 20, row["seconds"]
