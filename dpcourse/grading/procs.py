@@ -93,13 +93,25 @@ def descendants(pids) -> list[psutil.Process]:
 
 
 def find_below(pid: int, marker: str) -> int | None:
-    """The pid of the highest process below ``pid`` whose command line contains ``marker``."""
-    for proc in sorted(descendants([pid]), key=lambda p: p.pid):
-        try:
-            if proc.pid != pid and any(marker in part for part in proc.cmdline()):
-                return proc.pid
-        except psutil.Error:
-            continue
+    """The pid of the process nearest below ``pid`` whose command line contains ``marker``.
+
+    Levels are searched top down, so a process the found one forked (same command line)
+    is not taken for it; a sandbox's own processes (``bwrap``, whose arguments hold the
+    command it starts) are passed over.
+    """
+    level = [pid]
+    while level:
+        below = []
+        for parent in level:
+            with contextlib.suppress(psutil.Error):
+                below += psutil.Process(parent).children()
+        for proc in sorted(below, key=lambda p: p.pid):
+            with contextlib.suppress(psutil.Error):
+                cmd = proc.cmdline()
+                if cmd and os.path.basename(cmd[0]) != "bwrap" and \
+                        any(marker in part for part in cmd):
+                    return proc.pid
+        level = [p.pid for p in below]
     return None
 
 

@@ -65,6 +65,11 @@ def package_copy(dest: str) -> str:
     return dest
 
 
+def _installed() -> bool:
+    """True when the package lives in a site-packages folder (not a checkout)."""
+    return os.path.basename(package_root()) in ("site-packages", "dist-packages")
+
+
 def _python_paths() -> list[str]:
     """Folders of the Python installation graded code imports from, none of them the checkout.
 
@@ -72,6 +77,7 @@ def _python_paths() -> list[str]:
     other ``sys.path`` entries, which may be the instructor's own folders.
     """
     pkg = os.path.join(package_root(), "dpcourse")
+    installed = _installed()
     found = []
     site = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
     for p in [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
@@ -79,8 +85,10 @@ def _python_paths() -> list[str]:
         if not p or not os.path.isdir(p):
             continue
         p = os.path.realpath(p)
-        # A path above the package (the checkout on PYTHONPATH, say) would show solutions/.
-        if (pkg + os.sep).startswith(p.rstrip(os.sep) + os.sep) or p.startswith("/usr/"):
+        # A path above the package of a checkout (on PYTHONPATH, say) would show solutions/;
+        # an installed package is hidden under its site-packages instead (see command).
+        above = (pkg + os.sep).startswith(p.rstrip(os.sep) + os.sep)
+        if (above and not installed) or p.startswith("/usr/"):
             continue
         if not any(p == q or p.startswith(q + os.sep) for q in found):
             found = [q for q in found if not q.startswith(p + os.sep)] + [p]
@@ -145,6 +153,8 @@ class Sandbox:
             cmd += ["--ro-bind-try", "/sys", "/sys"]
         for path in _python_paths():
             cmd += ["--ro-bind", path, path]
+        if _installed():  # graded code imports the copy below, never the grader's own files
+            cmd += ["--tmpfs", os.path.join(package_root(), "dpcourse")]
         if os.path.isdir(self.package):
             cmd += ["--ro-bind", self.package, self.package]
         cmd += ["--bind", scratch, scratch, "--chdir", scratch]
