@@ -129,6 +129,7 @@ def execute(nb, timeout: float, sandbox=None) -> Execution:
     argv = [sys.executable, "-m", "dpcourse.grading.executor", src, dst, progress]
     if sandbox is not None:
         argv.append(json.dumps({"bwrap": sandbox.bwrap, "package": sandbox.package,
+                                "disable_userns": sandbox.disable_userns,
                                 "env": _kernel_env(run_dir)}))
     before = {p.pid for p in psutil.Process().children()}
     proc = None

@@ -9,7 +9,7 @@ Usage: ``python -m dpcourse.grading.executor IN.ipynb OUT.ipynb PROGRESS [SANDBO
 PROGRESS receives ``ready``, then ``start N`` before and ``done N`` after each code
 cell, and a last line ``end STATUS N MESSAGE``.
 
-With SANDBOX (JSON: ``bwrap``, ``package``, ``env``) the kernel, and only the kernel,
+With SANDBOX (JSON: ``bwrap``, ``package``, ``disable_userns``, ``env``) the kernel, and only the kernel,
 runs in a sandbox (:mod:`dpcourse.grading.sandbox`) whose scratch folder is this
 process's working directory. Its channel to this process is ZeroMQ over Unix
 sockets in that folder (jupyter_client's ``ipc`` transport, relative names, so
@@ -69,7 +69,8 @@ def _kernel_manager_class(sandbox: dict | None = None):
                 return cmd
             from dpcourse.grading.sandbox import Sandbox
 
-            return Sandbox(sandbox["bwrap"], sandbox["package"]).command(
+            return Sandbox(sandbox["bwrap"], sandbox["package"],
+                           sandbox.get("disable_userns", True)).command(
                 cmd, os.getcwd(), sandbox.get("env"))
 
     return Manager

@@ -95,6 +95,15 @@ def _python_paths() -> list[str]:
     return found
 
 
+def _knows(bwrap: str, option: str) -> bool:
+    """True when this bubblewrap lists ``option`` in its help."""
+    try:
+        text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return option in text.stdout + text.stderr
+
+
 def unavailable() -> str | None:
     """Why the sandbox cannot run on this machine, or ``None`` when it can."""
     if not sys.platform.startswith("linux"):
@@ -103,7 +112,8 @@ def unavailable() -> str | None:
     if bwrap is None:
         return ("bubblewrap (bwrap) is not installed: install it (Debian/Ubuntu: apt-get install "
                 "bubblewrap)")
-    probe = Sandbox(bwrap, package="/nonexistent").command(["/bin/true"], "/")
+    probe = Sandbox(bwrap, "/nonexistent", _knows(bwrap, "--disable-userns")).command(
+        ["/bin/true"], "/")
     try:
         proc = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -123,10 +133,13 @@ class Sandbox:
         bwrap: path of the ``bwrap`` program.
         package: a folder holding the sandbox's copy of ``dpcourse`` (:func:`package_copy`),
             put first on the graded process's ``PYTHONPATH``.
+        disable_userns: forbid further user namespaces inside (bubblewrap 0.8 and later;
+            without it the binds are still locked read-only to the sandboxed process).
     """
 
     bwrap: str
     package: str
+    disable_userns: bool = True
 
     def command(self, argv: list[str], scratch: str, env: dict | None = None) -> list[str]:
         """Return ``argv`` wrapped to run in a fresh sandbox whose only writable folder is ``scratch``.
@@ -136,7 +149,8 @@ class Sandbox:
         inside (plus ``HOME``, ``TMPDIR`` and ``PYTHONPATH``, set here).
         """
         cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
-               "--unshare-user", "--cap-drop", "ALL", "--disable-userns", "--clearenv",
+               "--unshare-user", "--cap-drop", "ALL",
+               *(["--disable-userns"] if self.disable_userns else []), "--clearenv",
                "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev",
                "--tmpfs", "/dev/shm", "--tmpfs", "/tmp"]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -180,6 +194,7 @@ def prepared():
     folder = tempfile.mkdtemp(prefix="dpcourse-sandbox-")
     try:
         package_copy(folder)
-        yield Sandbox(shutil.which("bwrap"), folder)
+        bwrap = shutil.which("bwrap")
+        yield Sandbox(bwrap, folder, _knows(bwrap, "--disable-userns"))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
