@@ -155,12 +155,16 @@ def test_nccl_all_reduce_refuses_cpu_tensors(tmp_path):
 
 @pytest.mark.gpu(2)
 def test_symm_mem_rendezvous_maps_every_peers_buffer(tmp_path):
-    """After rendezvous, a rank has a pointer per peer to its buffer and signal pad, and reads peers' data."""
+    """After rendezvous a rank has a pointer per rank to its buffer and signal pad, reads a peer's data,
+    and finds its signal pad zeroed; symm_mem's one-shot all-reduce sums a symmetric tensor and
+    refuses an ordinary one."""
     outs = _nccl_ranks("""
         import torch.distributed._symmetric_memory as symm_mem
-        world = dist.get_world_size()
+        world, group_name = dist.get_world_size(), dist.group.WORLD.group_name
         buf = symm_mem.empty(16, dtype=torch.float32, device="cuda")
-        handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+        handle = symm_mem.rendezvous(buf, group_name)
+        pad = handle.get_signal_pad(rank, (handle.signal_pad_size // 4,), torch.int32)
+        print("pad zero", bool(pad.eq(0).all().item()))
         buf.fill_(float(rank + 1))
         torch.cuda.synchronize()
         dist.barrier()
@@ -169,6 +173,51 @@ def test_symm_mem_rendezvous_maps_every_peers_buffer(tmp_path):
         torch.cuda.synchronize()
         dist.barrier()
         print("ptrs", len(handle.buffer_ptrs), len(handle.signal_pad_ptrs), "peer", seen[0].item())
+        total = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group_name)
+        torch.cuda.synchronize()
+        print("one-shot sum", total[0].item())
+        try:
+            torch.ops.symm_mem.one_shot_all_reduce(torch.ones(16, device="cuda"), "sum", group_name)
+            torch.cuda.synchronize()
+            print("ordinary tensor: reduced")
+        except RuntimeError:
+            print("ordinary tensor: refused")
+        dist.barrier()
     """, tmp_path)
     for r, out in enumerate(outs):
+        assert "pad zero True" in out, outs
         assert f"ptrs 2 2 peer {float((r + 1) % 2 + 1)}" in out, outs
+        assert "one-shot sum 3.0" in out and "ordinary tensor: refused" in out, outs
+
+
+@pytest.mark.gpu(2)
+def test_nccl_kernel_time_includes_waiting_for_a_late_rank(tmp_path):
+    """CUDA events around an NCCL all-reduce on the punctual rank span the late rank's delay."""
+    outs = _nccl_ranks("""
+        import time
+        t = torch.ones(1024, device="cuda")
+        dist.all_reduce(t)   # warm-up: the communicator is set up
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+        if rank == 1:
+            time.sleep(0.5)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_reduce(t)
+        end.record()
+        torch.cuda.synchronize()
+        print("gpu ms", start.elapsed_time(end))
+    """, tmp_path)
+    ms = [float(out.split("gpu ms")[1].split()[0]) for out in outs]
+    assert ms[0] > 300 and ms[1] < 100, ms   # rank 0's collective ran while rank 1 slept
+
+
+def test_meta_device_records_shapes_and_dtypes_without_data():
+    """Under torch.device("meta") modules get parameters of the right shape and dtype, and no data."""
+    with torch.device("meta"):
+        layer = torch.nn.Linear(1000, 500)
+    assert all(p.is_meta for p in layer.parameters())
+    assert layer.weight.shape == (500, 1000) and layer.weight.dtype == torch.float32
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        layer.weight.tolist()   # there are no values to read
