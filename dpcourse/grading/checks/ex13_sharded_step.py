@@ -1,4 +1,4 @@
-"""Check for exercise 13: one ZeRO-2 optimizer step over shards of uneven parameters.
+"""Check for exercise 13: one ZeRO-1 optimizer step over shards of uneven parameters.
 
 The learner writes ``zero_step(params, shard_optimizer, group=None)``. Every
 rank's ``param.grad`` holds the gradient of its own batch's mean loss; the
@@ -63,7 +63,7 @@ def single_process() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]
 class ShardedStep(CheckSpec):
     """``zero_step(params, shard_optimizer, group=None)``: reduce-scatter, shard step, all-gather."""
 
-    name, exercise, title = "sharded_step", "13", "The ZeRO-2 optimizer step"
+    name, exercise, title = "sharded_step", "13", "The sharded optimizer step (ZeRO-1)"
     # The lesson's layout helpers, which the notebook imports (the grader's scan allows them).
     allowed_imports = {"dpcourse.zero": {"chunk_size", "shard_range"}}
     world_sizes = (3,)  # odd, and the 1-element bias leaves two ranks an empty shard
