@@ -1,9 +1,11 @@
-"""Exercises 04 and 09 ask for a transfer of their lesson, and every hint follows its cause.
+"""Exercises 04 and 09 ask for a transfer of their lesson, and hints follow their cause.
 
 Exercise 04's ring turns left (lesson 04's turns right); exercise 09 prices an
 all-reduce lesson 09 gave no formula for. Each solution passes its check, each
 unchanged exercise scores 0, and each planted mistake fails the criterion that
-names it, with a hint that agrees with the case the report shows.
+names it, with a hint that agrees with the case the report shows. The same holds
+for the hints of exercises 06 (a per-step count never reset) and 08 (the rank
+whose generator state was lost, and what graded code may call).
 """
 
 import pathlib
