@@ -339,16 +339,21 @@ def _probe_unused():
 def _probe_buffers():
     """broadcast_buffers: the buffer values the forward sees, and the broadcasts that carry them."""
     rank = dist.get_rank()
-    model = DDP(_Buffered())
-    with torch.no_grad():
-        model.module.norm.running_mean.fill_(float(rank + 1))  # ranks disagree after construction
-    seen = []
-    model.module.norm.register_forward_pre_hook(lambda m, inp: seen.append(m.running_mean.clone()))
-    with _profiled() as p:
-        model(torch.randn(4, 8))
-    return dict(ops=dict(p.ops), buffers=[n for n, _ in model.module.named_buffers()],
-                prefixed=all(k.startswith("module.") for k in model.state_dict()),
-                dtypes=len({b.dtype for b in model.module.buffers()}), seen=seen[0])
+    out = {}
+    for name, kw in (("default", {}), ("off", dict(broadcast_buffers=False))):
+        model = DDP(_Buffered(), **kw)
+        with torch.no_grad():
+            model.module.norm.running_mean.fill_(float(rank + 1))  # ranks now disagree
+        seen = []
+        model.module.norm.register_forward_pre_hook(
+            lambda m, inp: seen.append(m.running_mean.clone()))
+        with _profiled() as p:
+            model(torch.randn(4, 8))
+        out[name] = dict(ops=dict(p.ops), seen=seen[0])
+    out.update(buffers=[n for n, _ in model.module.named_buffers()],
+               dtypes=len({b.dtype for b in model.module.buffers()}),
+               prefixed=all(k.startswith("module.") for k in model.state_dict()))
+    return out
 
 
 def _probe_join():
@@ -632,13 +637,15 @@ def test_join_ends_with_equal_parameters(ranks):
 
 
 def test_ddp_broadcasts_rank0_buffers_before_forward(ranks):
-    """Lesson 10, section 3: torch DDP (default broadcast_buffers) copies rank 0's buffers to
-    every rank before each forward; it sends them coalesced, one broadcast per dtype (BatchNorm's
-    three buffers: running_mean, running_var, num_batches_tracked)."""
-    for r in _by_rank(ranks, "buffers"):
-        assert torch.equal(r["seen"], torch.ones(4))  # rank 0's value, on rank 1 too
+    """Lesson 10, section 3: torch DDP copies rank 0's buffers to every rank before each forward
+    unless broadcast_buffers=False; it sends them coalesced, one broadcast per dtype (BatchNorm's
+    three buffers running_mean, running_var, num_batches_tracked: two broadcasts)."""
+    for rank, r in enumerate(_by_rank(ranks, "buffers")):
+        assert torch.equal(r["default"]["seen"], torch.ones(4))  # rank 0's value, on every rank
+        assert torch.equal(r["off"]["seen"], torch.full((4,), float(rank + 1)))  # its own
         assert r["buffers"] == ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
-        assert r["ops"] == {"broadcast": r["dtypes"]} and r["dtypes"] == 2
+        assert r["dtypes"] == 2 and r["default"]["ops"] == {"broadcast": 2}
+        assert r["off"]["ops"] == {}
 
 
 def test_ddp_state_dict_keys_carry_module_prefix(ranks):
