@@ -86,13 +86,12 @@ def check_wrappable(module: nn.Module, group: dist.ProcessGroup | None,
     return params
 
 
-def _signature(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+def _signature(named) -> list[tuple[str, tuple[int, ...], str, bool]]:
     return [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
-            for name, p in module.named_parameters()]
+            for name, p in named]
 
 
-def check_same_model(module: nn.Module, group: dist.ProcessGroup | None,
-                     device: torch.device) -> None:
+def check_same_model(module, group: dist.ProcessGroup | None, device: torch.device) -> None:
     """Refuse to wrap when the ranks' models differ in parameters, shapes, dtypes or requires_grad.
 
     Different models would make the ranks' collectives disagree: a hang (different
@@ -103,11 +102,12 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None,
     same check at construction).
 
     Args:
-        module: the model this rank is about to wrap.
+        module: the model this rank is about to wrap (an ``nn.Module``), or the
+            ``(name, parameter)`` pairs it is about to shard (a sharded optimizer's).
         group: process group (``None``: the default group).
         device: where the backend's tensors live (the module's device).
     """
-    mine = _signature(module)
+    mine = _signature(module.named_parameters() if isinstance(module, nn.Module) else module)
     digest = hashlib.sha256(repr(mine).encode()).digest()[:8]
     summary = torch.tensor([len(mine), int.from_bytes(digest, "little", signed=True)],
                            dtype=torch.int64, device=device)

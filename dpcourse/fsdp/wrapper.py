@@ -27,6 +27,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from dpcourse.ddp.base import broadcast_module_state
+from dpcourse.ddp.guards import check_same_model
 from dpcourse.device import rank_device
 from dpcourse.fsdp.flat import FlatShard, Site
 from dpcourse.fsdp.materialize import Materializer, built_on_meta
@@ -102,6 +103,9 @@ class FullyShardedDataParallel(nn.Module):
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype or compute_dtype
+        # Before any collective that depends on the shapes: ranks with different models
+        # would otherwise hang, crash in the backend, or shard a (4, 2) weight like a (2, 4).
+        check_same_model(module, group, rank_device(group))
         meta = built_on_meta(module, param_init_fn)
         if not meta and (param_init_fn is not None or device is not None):
             raise ValueError("param_init_fn= and device= are for a module built under "

@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from dpcourse.comm.averaging import divide_before_sum
 from dpcourse.ddp.buckets import check_bucket_cap
+from dpcourse.ddp.guards import check_same_model
 from dpcourse.zero import checkpoint
 from dpcourse.zero.collectives import all_gather, reduce_scatter
 from dpcourse.zero.layout import ShardBucket, make_shard_buckets, shard_range
@@ -90,6 +91,9 @@ class ShardedOptimizer(Optimizer):
         self.process_group, self.gradients = group, gradients
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._params = self._trainable()
+        # Before any collective that depends on the shapes: ranks with different models
+        # would otherwise hang, crash in the backend, or shard a (4, 2) weight like a (2, 4).
+        check_same_model(self._named(), group, self._params[0].device)
         if gradients != "averaged":
             src = 0 if group is None else dist.get_global_rank(group, 0)
             for p in self._params:  # replicas must start equal: no wrapper did it
@@ -132,6 +136,22 @@ class ShardedOptimizer(Optimizer):
         if not params:
             raise ValueError("ShardedOptimizer got no trainable parameters (requires_grad=True).")
         return params
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, parameter)`` for :attr:`_params`: the names given to the optimizer, if any.
+
+        ``ShardedOptimizer(model.named_parameters(), ...)`` keeps the names (as torch
+        optimizers do, in ``param_groups[g]["param_names"]``); otherwise a parameter is
+        named by where it sits in ``param_groups``.
+        """
+        names, seen = [], set()
+        for g, group in enumerate(self.param_groups):
+            given = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    names.append(given[i] if given else f"param_groups[{g}]['params'][{i}]")
+        return list(zip(names, self._params))
 
     # -- gradients -------------------------------------------------------------
     def _launch(self, b: int, async_op: bool):
