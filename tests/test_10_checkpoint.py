@@ -11,7 +11,8 @@ from torch import nn
 import dpcourse
 from dpcourse.data import ShardedSampler, make_regression
 from dpcourse.ddp import DataParallelOverlapped
-from dpcourse.ddp.checkpoint import load_checkpoint, save_checkpoint, strip_module_prefix
+from dpcourse.ddp.checkpoint import (load_checkpoint, read_checkpoint_file, save_checkpoint,
+                                     strip_module_prefix)
 
 EPOCHS, BATCH = 3, 4
 
@@ -53,7 +54,7 @@ def run_resumed(path: str, stop_after: int | None) -> dict:
         start = load_checkpoint(path, model, opt, sched, sampler)["step"]
     for epoch in range(start, EPOCHS):
         _epoch(model, opt, sched, sampler, x, y, epoch)
-    saved = torch.load(path, weights_only=False)["model"] if stop_after is not None else None
+    saved = read_checkpoint_file(path)["model"] if stop_after is not None else None
     return {"params": [p.detach().clone() for p in model.parameters()],
             "keys": None if saved is None else sorted(saved),
             "lr": opt.param_groups[0]["lr"]}
