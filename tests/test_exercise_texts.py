@@ -303,6 +303,7 @@ def test_a_per_step_count_never_reset_gets_the_reset_hint(name, cls, criteria):
 @pytest.mark.timeout(300)
 def test_the_overlap_solution_still_passes_and_gets_no_reset_hint(solution):
     sol = solution("06_overlap.ipynb")
-    for name, cls in (("overlapped_ddp", sol.OverlappedDDP), ("arrival_order", sol.ArrivalOrderDDP)):
+    for name, cls in (("overlapped_ddp", sol.OverlappedDDP),
+                      ("arrival_order", sol.ArrivalOrderDDP)):
         result = check(name, cls, quiet=True)
         assert result.failed() == [], {c.name: c.detail for c in result.criteria if not c.passed}

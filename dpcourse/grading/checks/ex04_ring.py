@@ -62,8 +62,8 @@ class RingAllReduce(Exercise):
     criteria = (
         Criterion(MATCH, "leaves the same sum as dist.all_reduce on every rank (world sizes 2, 3, "
                   "4; float32, float64, bfloat16; 1-D and 2-D)",
-                  "Write out, for N = 3 on paper, the chunk each rank sends at each step and "
-                  "the chunk its left neighbour expects to receive then.", weight=4),
+                  "Write out, for three ranks on paper, the chunk each rank sends at each step "
+                  "and the chunk its left neighbour expects to receive then.", weight=4),
         Criterion("awkward_lengths", "also works for lengths 0, 1, fewer than the world size "
                   "and not divisible by it",
                   "A length the regular cases do not have fails: see the why-line for which.",
@@ -296,12 +296,12 @@ def _cause(spec: Exercise, ws: int, rec: Record) -> str:
                     "N times.")
         if "returned the sum in a new tensor" in text:
             return ("The sum is right but lives in a tensor the caller never sees: write it "
-                    "into the given tensor (slices of tensor.view(-1) share its memory).")
+                    "into the given tensor (a slice of a view of it shares its memory).")
         if _ALL in text:
             return ("Every chunk is wrong: the additions went to the wrong chunks from the "
                     "first step on, or the all-gather passed on partial chunks. Write out for "
-                    "N = 3 which chunk each rank holds complete after the reduce-scatter (rank "
-                    "r: chunk r) and count back from the last step.")
+                    "three ranks which chunk each rank holds complete after the reduce-scatter "
+                    "(rank r: chunk r) and count back from the last step.")
         if "wrong chunks on rank" in text:
             return ("Some chunks are right and others wrong: a rank added or copied a chunk "
                     "into the wrong place. The chunk it sends at a step is not the one its "

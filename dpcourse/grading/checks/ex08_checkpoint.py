@@ -323,7 +323,7 @@ def _cause(rec: Record) -> str:
     if _NOT_RESTORED in rec.detail:
         return (f"{rank} resumed with the generator state a new process starts with: "
                 "load_checkpoint set no generator state on it. Dropout draws from each rank's "
-                "own generator; restore it on every rank with torch.set_rng_state.")
+                "own generator: set each rank's own saved state back on that rank.")
     if "holds the state rank " in rec.detail:
         other = rec.detail.rsplit("holds the state rank ", 1)[1].split(" ", 1)[0]
         return (f"{rank} resumed with rank {other}'s generator state, not its own: the ranks' "

@@ -62,8 +62,8 @@ _SLIP_HINTS = {
     "no_handoff": ("Your time leaves out the ranks that sit out: their whole tensor goes to a "
                    "partner before the rounds and the sum comes back after them, two messages "
                    "of the full size on the chain every rank waits for."),
-    "ring": ("Your time is the ring's: 2 (N - 1) steps. The halving-doubling needs only "
-             "2 log2 p rounds among p ranks, p the largest power of two <= N."),
+    "ring": ("Your time is the ring's, with its steps and its bytes: count the halving-doubling's "
+             "own rounds instead, and the bytes in each."),
 }
 
 
