@@ -158,5 +158,33 @@ def test_p2p_peers_are_global_ranks():
     assert results[2] == dict(group_rank=1, received=1.0)
 
 
+def test_distributed_sampler_shuffles_with_seed_plus_epoch():
+    """Lesson 03, "Why set_epoch": torch's DistributedSampler seeds its shuffle with
+    ``seed + epoch``, the same on every rank, and the ranks split that one order between
+    them; without ``set_epoch`` the epoch stays 0."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = list(range(64))
+    moved = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    moved.set_epoch(2)
+    assert list(moved) == list(DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=5))
+    ranks = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in (0, 1)]
+    assert sorted(ranks[0] + ranks[1]) == data  # one shared order, split: every example once
+    fixed = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
+    assert list(fixed) == list(fixed) == ranks[0]  # nothing advances the epoch by itself
+
+
+def _default_bucket_cap():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(torch.nn.Linear(2, 2)).bucket_bytes_cap
+
+
+def test_ddp_default_bucket_cap_is_25_mib():
+    """Lesson 04, answer on gradient buckets: torch DDP's default bucket cap is 25 MiB."""
+    caps = dpcourse.run(_default_bucket_cap, world_size=2, backend="gloo", device="cpu")
+    assert caps == [25 * 2**20] * 2
+
+
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([__file__, "-q"]))
