@@ -12,6 +12,7 @@ import os
 import platform
 import signal
 import sys
+import tempfile
 
 from dpcourse.argtypes import (Parser, UsageError, notebook_path, positive_int,
                                positive_seconds)
@@ -141,10 +142,47 @@ def _exit_on_termination() -> None:
         signal.signal(sig, stop)
 
 
+def _writable_dir(path: str) -> str | None:
+    """Why files cannot be created in directory ``path``, or None if they can."""
+    if not os.path.isdir(path):
+        return f"{path} is not a directory" if os.path.exists(path) else f"{path} does not exist"
+    try:
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as exc:
+        return f"{path} is not writable ({exc.strerror})"
+    return None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before grading starts, an output path that could not be written afterwards.
+
+    Grading takes minutes per notebook; a typo in ``--json`` must not cost them.
+    """
+    for flag in ("--json", "--csv", "--lms-csv"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is None:
+            continue
+        if os.path.isdir(path):
+            raise UsageError(f"grade: {flag} {path} is a directory; give a file name")
+        why = _writable_dir(os.path.dirname(os.path.abspath(path)))
+        if why:
+            raise UsageError(f"grade: {flag} {path} cannot be written: {why}")
+    if args.feedback is not None:
+        if os.path.exists(args.feedback) and not os.path.isdir(args.feedback):
+            raise UsageError(f"grade: --feedback {args.feedback} is a file; give a directory")
+        existing = os.path.abspath(args.feedback)
+        while not os.path.exists(existing):  # created with its missing parents
+            existing = os.path.dirname(existing)
+        why = _writable_dir(existing)
+        if why:
+            raise UsageError(f"grade: --feedback {args.feedback} cannot be written: {why}")
+
+
 def grade(args: argparse.Namespace) -> int:
     """Run ``dpcourse grade``: grade, print the table, write the files asked for; 2 on bad input."""
     from dpcourse.grading import autograde, gradebook
 
+    check_outputs(args)
     _exit_on_termination()
     try:
         report = autograde.grade(args.paths, timeout=args.timeout, feedback=args.feedback,
@@ -170,28 +208,58 @@ def demo(args: argparse.Namespace) -> int:
     return demo_mod.cli(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="dpcourse", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = ("The dpcourse command: check this machine (doctor), run a script on several "
+               "processes (launch), train a small model data-parallel (demo), grade exercise "
+               "notebooks (grade) and measure communication (bench).")
 
-    p = sub.add_parser("doctor", help="report devices, backends and versions")
+
+def version() -> str:
+    """dpcourse's version, from the installed package's metadata (the source's if not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dpcourse")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        import dpcourse
+
+        return dpcourse.__version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="dpcourse", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"dpcourse {version()}",
+                        help="print dpcourse's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of the commands below; COMMAND --help tells more")
+
+    p = sub.add_parser("doctor", help="report devices, backends and versions",
+                       description="Report Python, torch, the backends and GPUs, and how many "
+                       "ranks dpcourse.run would start here, and why.")
     p.add_argument("--check", action="store_true", help="also run a 1-element all-reduce")
     p.set_defaults(func=doctor)
 
     p = sub.add_parser(
         "launch", help="run a script on several processes via torchrun",
         description="Run a training script via torchrun. Every argument is torchrun's: "
-        "e.g. `dpcourse launch --nproc-per-node 2 train.py`. Without --nproc-per-node, one "
+        "e.g. dpcourse launch --nproc-per-node 2 train.py. Without --nproc-per-node, one "
         "process per GPU (2 on CPU); without --nnodes/--rdzv-endpoint, a standalone rendezvous. "
         "torchrun's rendezvous ports listen on every network interface (--standalone too): "
         "on an untrusted network, firewall them.")
-    p.add_argument("torchrun_args", nargs=argparse.REMAINDER)
+    p.add_argument("torchrun_args", nargs=argparse.REMAINDER, metavar="TORCHRUN_ARGS",
+                   help="torchrun's options, the script and the script's arguments")
     p.set_defaults(func=launch)
 
-    p = sub.add_parser("demo", help="train a small model data-parallel and compare with torch DDP")
-    p.add_argument("--world-size", type=positive_int, default=None)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--steps", type=positive_int, default=20)
+    p = sub.add_parser(
+        "demo", help="train a small model data-parallel and compare with torch DDP",
+        description="Train identical copies of a small MLP with each of dpcourse's data-parallel "
+        "wrappers and with torch's DistributedDataParallel, and print the global loss and the "
+        "largest parameter difference from torch DDP after each step.")
+    p.add_argument("--world-size", type=positive_int, default=None,
+                   help="ranks (default: one per GPU on a machine with 2 or more, else 2 on CPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: nccl when every rank gets its own GPU, else gloo on CPU")
+    p.add_argument("--steps", type=positive_int, default=20,
+                   help="training steps (default 20)")
     p.set_defaults(func=demo)
 
     from dpcourse.bench.cli import add_parser as add_bench_parser  # argparse only, no torch

@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -112,3 +113,100 @@ def test_launch_reports_a_failing_script(tmp_path):
     proc = _dpcourse("launch", "--nproc-per-node=1", str(script))
     assert proc.returncode == 1
     assert "rank 0 gives up" in proc.stderr
+
+
+# -- the command line itself: version, help, paths checked before work starts ---------------
+
+def _parsers(parser=None, name="dpcourse"):
+    """Yield ``(name, parser)`` for the command and every subcommand, depth first."""
+    import argparse
+
+    parser = parser or cli.build_parser()
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"dpcourse {metadata.version('dpcourse')}\n"
+
+
+def test_every_command_and_option_has_help():
+    import argparse
+
+    missing = []
+    for name, parser in _parsers():
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{name} {c.dest}" for c in action._choices_actions if not c.help]
+            elif not action.help:
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert missing == []
+    names = [name for name, _ in _parsers()]
+    assert {"dpcourse demo", "dpcourse bench ddp", "dpcourse grade"} <= set(names)
+
+
+def test_help_is_plain_text():
+    for name, parser in _parsers():
+        text = parser.format_help()
+        assert "``" not in text and "`" not in text and ":func:" not in text, name
+
+
+def test_grade_refuses_an_unwritable_output_before_grading(capsys, tmp_path):
+    notebook = os.path.join(ROOT, "exercises", sorted(os.listdir(os.path.join(ROOT, "exercises")))[0])
+    cases = [("--json", "no/such/dir/r.json", "does not exist"),
+             ("--csv", str(tmp_path), "is a directory"),
+             ("--lms-csv", str(tmp_path / "missing" / "g.csv"), "does not exist")]
+    for flag, path, why in cases:
+        start = time.monotonic()
+        assert cli.main(["grade", notebook, flag, path]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"dpcourse: error: grade: {flag} {path}") and why in err, err
+        assert time.monotonic() - start < 10  # refused at once, nothing was graded
+    (tmp_path / "file").write_text("")
+    assert cli.main(["grade", notebook, "--feedback", str(tmp_path / "file")]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+
+
+def test_bench_output_directory(tmp_path):
+    from dpcourse.argtypes import UsageError
+    from dpcourse.bench.cli import out_dir
+
+    # From the checkout's root (how docs/results is recorded) the default is docs/results.
+    assert out_dir(None, ROOT) == os.path.join(ROOT, "docs", "results")
+    with pytest.raises(UsageError, match="--out: say where to write the results"):
+        out_dir(None, str(tmp_path))  # anywhere else nothing is created unasked
+    assert os.listdir(tmp_path) == []
+    assert out_dir("results/a", str(tmp_path)) == "results/a"
+    assert os.path.isdir(tmp_path / "results" / "a")
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(UsageError, match="--out: taken is a file, not a directory"):
+        out_dir("taken", str(tmp_path))
+    with pytest.raises(UsageError, match="--out: cannot write into taken/x"):
+        out_dir("taken/x", str(tmp_path))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "{file}"], "is a file, not a directory"),
+    (["--world-size", "100000", "--out", "{dir}"], "100000 ranks need about"),
+])
+def test_bench_refuses_bad_arguments_without_a_traceback(capsys, tmp_path, argv, message):
+    (tmp_path / "f.json").write_text("{}")
+    argv = [a.format(file=tmp_path / "f.json", dir=tmp_path / "out") for a in argv]
+    with pytest.warns(RuntimeWarning) if "100000" in argv else _nothing():
+        assert cli.main(["bench", "allreduce", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dpcourse: error: ") and message in err and "Traceback" not in err
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -1,10 +1,17 @@
-"""``dpcourse bench allreduce|ddp``: run a benchmark, print a table, write JSON and a plot."""
+"""``dpcourse bench allreduce|ddp``: run a benchmark, print a table, write JSON and a plot.
+
+Where the files go: ``--out DIR``; without it, ``docs/results/`` when the command
+runs from the root of the dpcourse checkout (where the recorded results live, see
+docs/benchmarks.md), and elsewhere the command asks for ``--out`` before running
+anything, rather than creating ``docs/results/`` in whatever directory it runs from.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import tempfile
 
 from dpcourse.argtypes import (UsageError, comma_list, nonnegative_int, nonnegative_mib,
                                positive_int, positive_seconds)
@@ -38,15 +45,17 @@ def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=positive_int, default=None,
-                   help="ranks (default: one per GPU, else 2)")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+                   help="ranks (default: one per GPU on a machine with 2 or more, else 2)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: nccl when every rank gets its own GPU, else gloo on CPU")
     p.add_argument("--iters", type=positive_int, default=None, help="timed trials per candidate")
     p.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed calls per candidate")
     p.add_argument("--slow-link", action="store_true",
                    help="NCCL over sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1), "
                    "like a slow network")
-    p.add_argument("--out", default=os.path.join("docs", "results"),
-                   help="directory for JSON and plots")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="directory for JSON and plots, created if missing (default: "
+                   "docs/results when run from the dpcourse checkout's root; elsewhere required)")
     p.add_argument("--no-plot", action="store_true", help="write JSON only")
     p.add_argument("--timeout", type=positive_seconds, default=600.0,
                    help="seconds before the run counts as hung")
@@ -54,8 +63,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub) -> None:
     """Add ``bench allreduce`` and ``bench ddp`` to the ``dpcourse`` command's subparsers."""
-    bench = sub.add_parser("bench", help="all-reduce bandwidth and DDP step-time benchmarks")
-    kinds = bench.add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="all-reduce bandwidth and DDP step-time benchmarks",
+                           description="Run a benchmark on local ranks, print a table and write "
+                           "JSON and a plot (see --out).")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK",
+                                 help="allreduce or ddp; BENCHMARK --help tells more")
 
     p = kinds.add_parser("allreduce", help="sweep message sizes: hand-built rings vs the library")
     _common(p)
@@ -69,7 +81,8 @@ def add_parser(sub) -> None:
                    "one_shot, two_shot, two_shot_symm, torch_one_shot, torch_two_shot "
                    "(dpcourse.comm.kernels.bench_impls)")
     p.add_argument("--dtype", default="float32",
-                   choices=["float32", "float16", "bfloat16", "float64"])
+                   choices=["float32", "float16", "bfloat16", "float64"],
+                   help="element type of the reduced tensors (default float32)")
     p.add_argument("--calls-per-trial", type=positive_int, default=1,
                    help="back-to-back calls timed together per trial (default 1: one call "
                    "after a barrier, its latency; e.g. 20: how fast queued calls complete)")
@@ -81,7 +94,8 @@ def add_parser(sub) -> None:
                    help="model: GPT-2 small on GPU, tiny on CPU by default")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per rank (default 8)")
-    p.add_argument("--bucket-cap-mb", type=nonnegative_mib, default=25.0)
+    p.add_argument("--bucket-cap-mb", type=nonnegative_mib, default=25.0,
+                   help="bucket size of the bucketed and overlapped wrappers (default 25)")
     p.add_argument("--variants", type=comma_list(str),
                    default=["local", "naive", "bucketed", "overlapped", "torch_ddp"],
                    help="also: zero1, zero2, fsdp, torch_fsdp (sharded data parallelism); "
@@ -89,18 +103,66 @@ def add_parser(sub) -> None:
                    "wrapper with the NVLink kernels)")
     p.add_argument("--sweep-caps", type=comma_list(nonnegative_mib), default=[0, 1, 5, 25, 100],
                    help="bucket sizes (MiB) for the bucket sweep; empty string to skip it")
-    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"])
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"],
+                   help="autocast: auto is bf16 on GPUs that support it, none on CPU")
     p.set_defaults(func=run_ddp)
 
 
 def _backend(args: argparse.Namespace) -> tuple[str, int]:
-    """``(backend, world_size)`` for ``--backend`` and ``--world-size``, or a one-line UsageError."""
-    import dpcourse
+    """``(backend, world_size)`` for ``--backend`` and ``--world-size``, or a one-line UsageError.
 
+    Also refuses, before anything runs, ranks that would not fit in memory and an
+    unusable ``--out`` (see :func:`out_dir`), which it replaces with the directory to use.
+    """
+    import dpcourse
+    from dpcourse.launch.resources import check_resources
+
+    args.out = out_dir(args.out)
     try:
-        return dpcourse.resolve_backend(args.backend, args.world_size)
-    except ValueError as exc:
+        backend, world_size = dpcourse.resolve_backend(args.backend, args.world_size)
+        check_resources(world_size, backend)
+    except (ValueError, RuntimeError) as exc:
         raise UsageError(f"--backend/--world-size: {exc}") from None
+    return backend, world_size
+
+
+def _in_checkout(cwd: str) -> bool:
+    """Whether ``cwd`` is the root of the dpcourse checkout (its pyproject names dpcourse)."""
+    try:
+        with open(os.path.join(cwd, "pyproject.toml")) as f:
+            named = re.search(r'^name\s*=\s*"dpcourse"', f.read(), re.MULTILINE)
+    except OSError:
+        return False
+    return bool(named) and os.path.isdir(os.path.join(cwd, "docs"))
+
+
+def out_dir(out: str | None, cwd: str | None = None) -> str:
+    """Return the directory the results go to, or raise a UsageError saying why it cannot be used.
+
+    Args:
+        out: ``--out`` as given (created here if missing); ``None`` means docs/results
+            in the dpcourse checkout's root, and is refused elsewhere.
+        cwd: the directory the command runs in (default: the current one).
+    """
+    cwd = os.getcwd() if cwd is None else cwd
+    if out is None:
+        if not _in_checkout(cwd):
+            raise UsageError("--out: say where to write the results (e.g. --out results); "
+                             "without --out they go to docs/results only when the command runs "
+                             "from the root of the dpcourse checkout")
+        return os.path.join(cwd, "docs", "results")
+    path = os.path.join(cwd, out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out: {out} is a file, not a directory; give a directory (created "
+                         "if missing) for the JSON and plots")
+    try:  # now, not after a run of many minutes
+        os.makedirs(path, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path)  # noqa: SIM115 - closed at once
+        probe.close()
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write into {out} ({exc.strerror}); give another "
+                         "directory") from None
+    return out
 
 
 def _check_names(flag: str, names: list[str], allowed: tuple[str, ...]) -> None:
