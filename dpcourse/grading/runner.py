@@ -10,9 +10,11 @@ grader's own record of their messages.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import secrets
+import tempfile
 import time
 
 from dpcourse.grading.checks import Exercise, Record, available_checks, get_spec
@@ -94,6 +96,20 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[Record],
     return list(results.values())
 
 
+@contextlib.contextmanager
+def _temp_folder(folder: str | None):
+    """Make ``folder`` (if any) ``tempfile``'s folder while the block runs."""
+    if folder is None:
+        yield
+        return
+    old = tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = old
+
+
 def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
               timeout: float | None = None, seed: int | None = None,
               problems: list[str] | None = None, pickled: str | None = None,
@@ -140,12 +156,14 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
         rng = random.Random(seed if seed is not None else secrets.randbits(64))
         sizes = spec.world_sizes or (1,)
         setup = {"check": spec.name, "cells": cells, "names": present, "pickled": pickled}
-        with World(max(sizes), setup, label=spec.name, sandbox=sandbox) as world:
+        with World(max(sizes), setup, label=spec.name, sandbox=sandbox,
+                   shared_folder=spec.shared_folder) as world:
             why = world.wait_ready(STARTUP_TIMEOUT)
             if why is not None:
                 failure = (None, why)
             for ws in sizes if why is None else ():
-                inputs = spec.make_inputs(rng, ws)
+                with _temp_folder(world.shared):
+                    inputs = spec.make_inputs(rng, ws)
                 rnd = world.run_round(ws, inputs, timeout or spec.timeout)
                 if rnd.failure is not None:
                     failure = (ws if spec.world_sizes else None, rnd.failure)

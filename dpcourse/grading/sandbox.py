@@ -141,12 +141,14 @@ class Sandbox:
     package: str
     disable_userns: bool = True
 
-    def command(self, argv: list[str], scratch: str, env: dict | None = None) -> list[str]:
+    def command(self, argv: list[str], scratch: str, env: dict | None = None,
+                shared: tuple[str, ...] = ()) -> list[str]:
         """Return ``argv`` wrapped to run in a fresh sandbox whose only writable folder is ``scratch``.
 
         ``scratch`` keeps its own path inside (so Unix sockets and files in it have one
         name on both sides) and is the working directory. ``env`` is the whole environment
-        inside (plus ``HOME``, ``TMPDIR`` and ``PYTHONPATH``, set here).
+        inside (plus ``HOME``, ``TMPDIR`` and ``PYTHONPATH``, set here). ``shared``: further
+        writable folders, at their own paths (one the grader gives several ranks on purpose).
         """
         cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
                "--unshare-user", "--cap-drop", "ALL",
@@ -171,6 +173,8 @@ class Sandbox:
             cmd += ["--tmpfs", os.path.join(package_root(), "dpcourse")]
         if os.path.isdir(self.package):
             cmd += ["--ro-bind", self.package, self.package]
+        for path in shared:
+            cmd += ["--bind", path, path]
         cmd += ["--bind", scratch, scratch, "--chdir", scratch]
         inside = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
         inside.update(env or {})

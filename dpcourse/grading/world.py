@@ -47,12 +47,18 @@ class World:
         sandbox: a :class:`~dpcourse.grading.sandbox.Sandbox` to start each rank in (with a
             scratch folder of its own), or ``None`` for plain processes (the learner's
             own ``check()``).
+        shared_folder: also give every rank one folder in common, ``self.shared``.
     """
 
-    def __init__(self, size: int, setup: dict, label: str = "check", sandbox=None):
+    def __init__(self, size: int, setup: dict, label: str = "check", sandbox=None,
+                 shared_folder: bool = False):
         self.tmp = tempfile.mkdtemp(prefix=f"dpcourse-{label}-")
         self.procs, self.socks, self.readers, self.logs = [], [], [], []
         self.sandboxed = sandbox is not None
+        self.shared = None
+        if shared_folder:  # the one folder every rank sees (the check asked for a shared disk)
+            self.shared = os.path.join(self.tmp, "shared")
+            os.makedirs(self.shared)
         for rank in range(size):
             mine, theirs = socket.socketpair()
             # The log stays in the grader's folder: the rank writes it through its stdout.
@@ -63,7 +69,8 @@ class World:
             env = _env(scratch)
             if sandbox is not None:
                 argv = sandbox.command(argv, scratch, {k: v for k, v in env.items()
-                                                       if k not in ("PYTHONPATH", "TMPDIR")})
+                                                       if k not in ("PYTHONPATH", "TMPDIR")},
+                                       shared=(self.shared,) if self.shared else ())
             proc = subprocess.Popen(
                 argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, env=env, cwd=scratch, start_new_session=True)

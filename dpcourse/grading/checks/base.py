@@ -39,6 +39,9 @@ class Exercise:
         allowed_imports: ``{module: {names}}`` of the course package graded code may import.
         forbid_torch_ddp: refuse any mention of torch DDP.
         timeout: seconds per round before the ranks count as hung.
+        shared_folder: the ranks see one folder in common (a shared disk, for a checkpoint
+            rank 0 writes and every rank reads); while ``make_inputs`` runs it is
+            ``tempfile``'s folder. Otherwise ranks share nothing on disk.
         points: the check's maximum.
         notes: lines shown under every report.
     """
@@ -54,6 +57,7 @@ class Exercise:
     allowed_imports: dict = {}
     forbid_torch_ddp = True
     timeout = 30.0
+    shared_folder = False
     points = 10.0
     notes: tuple[str, ...] = ()
 
