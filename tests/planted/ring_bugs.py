@@ -11,27 +11,27 @@ def _bounds(numel, world_size, index):
 
 
 def _exchange(send, recv, rank, n):
-    ops = []
+    ops = []  # exercise 04's ring turns left: send to rank - 1, receive from rank + 1
     if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, (rank + 1) % n))
+        ops.append(dist.P2POp(dist.isend, send, (rank - 1) % n))
     if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, (rank - 1) % n))
+        ops.append(dist.P2POp(dist.irecv, recv, (rank + 1) % n))
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
 
 
 def ring_all_reduce_wrong_chunk(tensor, group=None):
-    """Reduce-scatter with the all-gather's chunk indices: rank r ends owning chunk r + 1, not r."""
+    """Reduce-scatter with the all-gather's chunk indices: rank r ends owning chunk r - 1, not r."""
     flat, rank, n = tensor.view(-1), dist.get_rank(), dist.get_world_size()
     for s in range(n - 1):
-        a0, a1 = _bounds(flat.numel(), n, (rank - s) % n)      # BUG: should be (rank - s - 1) % n
-        b0, b1 = _bounds(flat.numel(), n, (rank - s - 1) % n)  # BUG: should be (rank - s - 2) % n
+        a0, a1 = _bounds(flat.numel(), n, (rank + s) % n)      # BUG: should be (rank + s + 1) % n
+        b0, b1 = _bounds(flat.numel(), n, (rank + s + 1) % n)  # BUG: should be (rank + s + 2) % n
         buf = torch.empty_like(flat[b0:b1])
         _exchange(flat[a0:a1], buf, rank, n)
         flat[b0:b1] += buf
     for s in range(n - 1):
-        a0, a1 = _bounds(flat.numel(), n, (rank - s) % n)
-        b0, b1 = _bounds(flat.numel(), n, (rank - s - 1) % n)
+        a0, a1 = _bounds(flat.numel(), n, (rank + s) % n)
+        b0, b1 = _bounds(flat.numel(), n, (rank + s + 1) % n)
         _exchange(flat[a0:a1], flat[b0:b1], rank, n)
 
 

@@ -68,7 +68,7 @@ def ring_all_reduce_short_skipped(tensor, group=None):
 
 
 def ring_all_reduce_shifted(tensor, group=None):
-    """Reduce-scatter one step short of the right schedule: rank r ends owning chunk r + 1.
+    """Reduce-scatter one step short of the right schedule: rank r ends owning chunk r - 1.
 
     Every message pairs up (both sides name the same chunk), so nothing raises; the
     all-gather then spreads chunks that are not complete.
