@@ -87,6 +87,8 @@ def test_a_lesson_gets_the_ranks_it_needs_on_every_machine(monkeypatch, gpus, wo
     assert (plan.backend, plan.world_size, plan.hide_gpus) == expected
     assert str(plan) == line
     assert dpcourse.resolve_backend("auto", world_size) == expected[:2]
+    monkeypatch.setattr("dpcourse.device.visible_gpus", lambda: 3)  # gpus= wins over this machine
+    assert dpcourse.plan_ranks(world_size, gpus=gpus) == plan
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 4, 8])

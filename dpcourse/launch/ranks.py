@@ -75,7 +75,7 @@ def _has(gpus: int) -> str:
 
 
 def plan_ranks(world_size: int | None = None, backend: str = "auto",
-               device: str = "auto") -> RankPlan:
+               device: str = "auto", *, gpus: int | None = None) -> RankPlan:
     """Decide the ranks a launch gets, the way :func:`dpcourse.run` does; say why.
 
     Args:
@@ -85,6 +85,8 @@ def plan_ranks(world_size: int | None = None, backend: str = "auto",
             gloo), ``"gloo"`` or ``"nccl"``.
         device: ``"auto"`` (the ranks may see this process's GPUs) or ``"cpu"`` (they
             see none, so ``"auto"`` means gloo and ``"nccl"`` is refused).
+        gpus: plan for a machine with this many GPUs instead of this one (``None``:
+            the GPUs this process sees), e.g. to show what another machine would get.
 
     Returns:
         A :class:`RankPlan`; ``str(plan)`` is the one line a lesson prints.
@@ -95,7 +97,9 @@ def plan_ranks(world_size: int | None = None, backend: str = "auto",
     from dpcourse.device import visible_gpus  # imports torch
 
     _check_arguments(backend, world_size, device)
-    gpus = 0 if device == "cpu" else visible_gpus()
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0):
+        raise ValueError(f"gpus must be a whole number >= 0 or None (this machine), got {gpus!r}.")
+    gpus = 0 if device == "cpu" else (visible_gpus() if gpus is None else gpus)
     if backend == "nccl":
         wanted = gpus if world_size is None else world_size
         if gpus == 0 or wanted > gpus:
