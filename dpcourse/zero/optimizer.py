@@ -91,10 +91,12 @@ class ShardedOptimizer(Optimizer):
         self.process_group, self.gradients = group, gradients
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._params = self._trainable()
-        # Before any collective that depends on the shapes: ranks with different models
-        # would otherwise hang, crash in the backend, or shard a (4, 2) weight like a (2, 4).
-        check_same_model(self._named(), group, self._params[0].device)
         if gradients != "averaged":
+            # Before any collective that depends on the shapes: ranks with different models
+            # would hang, crash in the backend, or shard a (4, 2) weight like a (2, 4).
+            # ("averaged": the wrapper that averages the gradients made this check, and
+            # construction stays local.)
+            check_same_model(self._named(), group, self._params[0].device)
             src = 0 if group is None else dist.get_global_rank(group, 0)
             for p in self._params:  # replicas must start equal: no wrapper did it
                 dist.broadcast(p.detach(), src=src, group=group)
