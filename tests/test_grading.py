@@ -393,10 +393,12 @@ def test_forged_scores_earn_nothing_and_change_nothing(tmp_path):
     takeover = {c["name"]: c for c in rows[("03", "naive_ddp")]["criteria"]}
     assert "calls exec()" in takeover["no_delegation"]["detail"]
     assert "imports gc" in takeover["no_delegation"]["detail"]
-    forge = {c["name"]: c for c in rows[("04", "ring_all_reduce")]["criteria"]}
-    for what in ("__wrapped__", "_get_default_group", "calls exec()", "imports importlib",
-                 "f_locals", "imports gc"):
-        assert what in forge["no_delegation"]["detail"], what
+    # In the sandbox the kernel does not see the grader among its ancestors (its own PID
+    # namespace): the forger stops there, before anything else (its ring's escape hatches
+    # are refused by the scan: test_scan_refuses_escape_hatches_and_accepts_the_solutions).
+    forger = status["04_forge.ipynb"]
+    assert forger["status"] == "error" and "StopIteration" in forger["message"], forger
+    assert rows[("04", "ring_all_reduce")]["points"] == 0
     # The sandbox shows the kernel its package read-only: the write fails in the cell.
     assert status["05_disk.ipynb"]["status"] == "error", status["05_disk.ipynb"]
     assert "Read-only file system" in status["05_disk.ipynb"]["message"]
