@@ -1,20 +1,28 @@
-"""What lessons 10 and 11 say about torch, NCCL and gloo, asked of torch itself.
+"""What the lessons say about torch, NCCL and gloo, asked of torch itself.
 
-Every sentence of those lessons about what torch does names a test here. The tests
+Every sentence of a lesson about what torch does names a test here. The tests
 ask torch, never dpcourse: they run torch DDP, torch's hooks, torch's Join and
 torch's SyncBatchNorm function on 2 CPU ranks over gloo, and count the collectives
 torch issues with ``torch.profiler`` (its ``c10d::`` operator events, which record
 the collectives of torch's C++ reducer too) or by recording the calls torch makes
 into ``torch.distributed``. Facts that need NCCL are marked ``gpu``.
 
-All the 2-rank probes run in one launch (a module fixture), so the file stays fast
-on a small CPU machine; each test then checks one statement.
+The 2-rank probes of lessons 10 and 11 run in one launch (a module fixture), so the
+file stays fast on a small CPU machine; each test then checks one statement. The
+sections for lessons 00-09 and 12-14 follow, each test naming the lesson cell it backs.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import io
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -23,10 +31,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.algorithms import Join
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import dpcourse
 
@@ -894,3 +905,588 @@ def test_gradient_as_bucket_view(ranks):
     assert _defaults(DDP.__init__)["gradient_as_bucket_view"] is False
     for r in _by_rank(ranks, "view"):
         assert all(r[True]) and not any(r[False])
+
+
+# -- Lessons 00-04 -----------------------------------------------------------------------------
+
+
+def _reduce_with_every_op():
+    """On each rank: all-reduce ``rank + 1`` (int64) with every ReduceOp; the value or the error."""
+    out = {}
+    for name in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+        t = torch.tensor([dist.get_rank() + 1], dtype=torch.int64)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+        out[name] = t.item()
+    try:
+        dist.all_reduce(torch.ones(1), op=dist._make_nccl_premul_sum(2.0))
+        out["PREMUL_SUM"] = "accepted"
+    except (RuntimeError, ValueError) as exc:
+        out["PREMUL_SUM"] = str(exc)
+    try:
+        dist.all_reduce(torch.ones(1), op=lambda a, b: a + b)
+        out["python function"] = "accepted"
+    except TypeError as exc:
+        out["python function"] = type(exc).__name__
+    return out
+
+
+def test_reduce_ops_are_a_fixed_set():
+    """Lesson 00, answer to "Predict, then run": an all-reduce's ``op`` is one of
+    ``dist.ReduceOp``'s fixed operations, SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR
+    and PREMUL_SUM (``UNUSED``, where a version lists it, is no operation)."""
+    names = set(dist.ReduceOp.RedOpType.__members__) - {"UNUSED"}
+    assert names == {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"}
+
+
+def test_gloo_reduce_ops():
+    """Lesson 00, answer to "Predict, then run": on gloo SUM, PRODUCT, MIN, MAX, BAND,
+    BOR and BXOR leave every rank with the same result; gloo refuses PREMUL_SUM; a
+    Python function as ``op`` is refused with a TypeError."""
+    results = dpcourse.run(_reduce_with_every_op, world_size=2, backend="gloo", device="cpu")
+    expected = dict(SUM=1 + 2, PRODUCT=1 * 2, MIN=1, MAX=2, BAND=1 & 2, BOR=1 | 2, BXOR=1 ^ 2)
+    for r in results:
+        assert {k: r[k] for k in expected} == expected
+        assert "PREMUL_SUM" in r["PREMUL_SUM"] and "Gloo" in r["PREMUL_SUM"]
+        assert r["python function"] == "TypeError"
+
+
+def _ddp_and_local_gradients():
+    """On each rank: the gradient torch DDP leaves, and every rank's own local gradient."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    plain = torch.nn.Linear(4, 1)
+    plain.load_state_dict(model.state_dict())
+    ddp = DDP(model)
+    torch.manual_seed(100 + rank)  # different data on every rank
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    local = torch.cat([p.grad.flatten() for p in plain.parameters()])
+    everyone = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(everyone, local)
+    return dict(ddp=torch.cat([p.grad.flatten() for p in model.parameters()]),
+                mean=torch.stack(everyone).mean(0), local=local)
+
+
+def test_ddp_gradient_is_mean_over_ranks():
+    """Lesson 03, "The whole algorithm": after backward, torch DDP's gradient is the mean
+    of the ranks' local gradients (their sum divided by the world size), on every rank."""
+    for n in (2, 3):
+        for r in dpcourse.run(_ddp_and_local_gradients, world_size=n, backend="gloo", device="cpu"):
+            assert torch.allclose(r["ddp"], r["mean"], rtol=1e-6, atol=1e-7)
+            assert not torch.allclose(r["ddp"], r["local"], rtol=1e-3)  # not this rank's own
+
+
+def _float16_sums():
+    """On each rank: a float16 gradient of 40000 averaged by torch DDP, and the plain float16 sum."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = torch.nn.Linear(1, 1, bias=False).half()
+    ddp = DDP(model)
+    ddp(torch.full((1, 1), 40000.0, dtype=torch.float16)).sum().backward()  # d/dw (w x) = x
+    summed = torch.tensor([40000.0], dtype=torch.float16)
+    dist.all_reduce(summed)
+    return dict(ddp=model.weight.grad.item(), sum_first=summed.item(),
+                max_float16=torch.finfo(torch.float16).max)
+
+
+def test_ddp_divides_float16_gradients_before_summing():
+    """Lesson 03, "The whole algorithm": torch DDP divides before it sums. Two ranks each
+    with a float16 gradient of 40000: the float16 sum (80000) overflows to inf (float16
+    ends at 65504), yet DDP's averaged gradient is 40000, so each rank's gradient was
+    halved before the all-reduce added them."""
+    for r in dpcourse.run(_float16_sums, world_size=2, backend="gloo", device="cpu"):
+        assert r["max_float16"] == 65504.0
+        assert r["sum_first"] == float("inf")
+        assert r["ddp"] == 40000.0
+
+
+def _buffers_after_forwards():
+    """On each rank: BatchNorm's running mean after each of 3 forwards under torch DDP's defaults."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=0.0))
+    ddp = DDP(model)
+    seen = []
+    for _ in range(3):
+        with torch.no_grad():
+            model[1].running_mean.fill_(float(dist.get_rank()))  # this rank's own value
+        ddp(torch.randn(8, 4)).sum().backward()
+        seen.append(model[1].running_mean.tolist())
+    # The flag that governs it: broadcast_buffers (renamed forward_sync_buffers in torch 2.13).
+    flag = ddp.forward_sync_buffers if hasattr(ddp, "forward_sync_buffers") else ddp.broadcast_buffers
+    return dict(seen=seen, flag=flag)
+
+
+def test_ddp_broadcasts_buffers_before_every_forward_by_default():
+    """Lesson 02, introduction and "Broadcast before every forward": with its default
+    arguments torch DDP copies rank 0's buffers to every rank before every forward (its
+    ``broadcast_buffers`` flag, ``forward_sync_buffers`` from torch 2.13, is on)."""
+    for r in dpcourse.run(_buffers_after_forwards, world_size=2, backend="gloo", device="cpu"):
+        assert r["seen"] == [[0.0] * 4] * 3
+        assert r["flag"] is True
+
+
+def _p2p_on_a_subgroup():
+    """Ranks 1 and 2 exchange over the group {1, 2}, naming each other by global rank."""
+    rank = dist.get_rank()
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    peer = 3 - rank  # 1 <-> 2: global ranks; their ranks inside the group are 0 and 1
+    send, recv = torch.tensor([float(rank)]), torch.zeros(1)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, group),
+                                    dist.P2POp(dist.irecv, recv, peer, group)])
+    for w in works:
+        w.wait()
+    return dict(group_rank=dist.get_rank(group), received=recv.item())
+
+
+def test_p2p_peers_are_global_ranks():
+    """Lesson 04, "The code": a point-to-point call on a sub-group names its peer by global
+    rank (rank 2 of the world is rank 1 of the group {1, 2}, and is addressed as 2)."""
+    results = dpcourse.run(_p2p_on_a_subgroup, world_size=3, backend="gloo", device="cpu")
+    assert results[0] is None
+    assert results[1] == dict(group_rank=0, received=2.0)
+    assert results[2] == dict(group_rank=1, received=1.0)
+
+
+def test_distributed_sampler_shuffles_with_seed_plus_epoch():
+    """Lesson 03, "Why set_epoch": torch's DistributedSampler seeds its shuffle with
+    ``seed + epoch``, the same on every rank, and the ranks split that one order between
+    them; without ``set_epoch`` the epoch stays 0."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = list(range(64))
+    moved = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    moved.set_epoch(2)
+    assert list(moved) == list(DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=5))
+    ranks = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in (0, 1)]
+    assert sorted(ranks[0] + ranks[1]) == data  # one shared order, split: every example once
+    fixed = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
+    assert list(fixed) == list(fixed) == ranks[0]  # nothing advances the epoch by itself
+
+
+# -- Lessons 05-09 -----------------------------------------------------------------------------
+
+
+def _on_two_cpu_ranks(fn, *args):
+    return dpcourse.run(fn, *args, world_size=2, device="cpu")
+
+
+def _bucket_sizes(cap_kwargs):
+    """Bytes of every bucket torch DDP all-reduces in one step, read from a comm hook."""
+    torch.manual_seed(0)
+    # Ten 3 MiB tensors: 30 MiB of gradients, so a 25 MiB cap shows in the bucket sizes.
+    model = torch.nn.Sequential(*[torch.nn.Linear(887, 887, bias=False) for _ in range(10)])
+    ddp = DDP(model, **cap_kwargs)
+    sizes = []
+
+    def hook(state, bucket):
+        sizes.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp.register_comm_hook(None, hook)
+    for _ in range(2):  # the second step runs on the buckets DDP rebuilds after the first
+        sizes.clear()
+        ddp(torch.randn(2, 887)).sum().backward()
+    return sorted(sizes)
+
+
+def _default_and_25():
+    return _bucket_sizes({}), _bucket_sizes({"bucket_cap_mb": 25})
+
+
+def test_ddp_default_bucket_cap_is_25_mib():
+    """L05 c0: torch DDP's default buckets are those of bucket_cap_mb=25 (and not of another cap)."""
+    default, cap25 = _on_two_cpu_ranks(_default_and_25)[0]
+    assert default == cap25
+    assert len(default) >= 2 and max(default) >= 25 * 2**20          # a bucket closes past 25 MiB
+    assert _on_two_cpu_ranks(_bucket_sizes, {"bucket_cap_mb": 5})[0] != default
+
+
+def test_zero_grad_sets_gradients_to_none_by_default():
+    """L05 c9: after zero_grad() (Module's and Optimizer's), param.grad is None: set_to_none=True."""
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for zero_grad in (layer.zero_grad, opt.zero_grad):
+        layer(torch.randn(4, 3)).sum().backward()
+        assert all(p.grad is not None for p in layer.parameters())
+        zero_grad()
+        assert all(p.grad is None for p in layer.parameters())
+
+
+def _grad_storages(as_view):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    ddp = DDP(model, gradient_as_bucket_view=as_view)
+    for _ in range(2):  # the second step runs on the buckets as rebuilt after the first
+        ddp(torch.randn(4, 8)).sum().backward()
+    return len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}), len(list(model.parameters()))
+
+
+def test_ddp_gradient_as_bucket_view_puts_gradients_in_the_bucket():
+    """L05 c9, L06 c7: with gradient_as_bucket_view=True every param.grad lives in the one bucket's
+    storage; the default (False) keeps a separate tensor per gradient."""
+    import inspect
+
+    assert inspect.signature(DDP.__init__).parameters[
+        "gradient_as_bucket_view"].default is False
+    storages, n = _on_two_cpu_ranks(_grad_storages, True)[0]
+    assert (storages, n) == (1, 4)
+    storages, n = _on_two_cpu_ranks(_grad_storages, False)[0]
+    assert (storages, n) == (4, 4)
+
+
+def test_post_accumulate_grad_hooks_fire_last_layer_first_after_grad_is_written():
+    """L06 c2/c3: register_post_accumulate_grad_hook calls fn(param) once param.grad holds the
+    gradient, and backward reaches the last layer's parameters first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4),
+                                torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    seen = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.append((name, p.grad is not None and bool(p.grad.abs().sum() > 0))))
+    model(torch.randn(8, 4)).sum().backward()
+    layers = [int(name.split(".")[0]) for name, _ in seen]
+    assert len(seen) == 6 and all(ready for _, ready in seen)
+    assert layers == sorted(layers, reverse=True)
+
+
+def _async_all_reduce():
+    t = torch.full((4,), float(dist.get_rank() + 1))
+    work = dist.all_reduce(t, async_op=True)
+    handle = type(work).__name__, hasattr(work, "wait")
+    work.wait()
+    return handle, t.tolist()
+
+
+def test_async_all_reduce_returns_a_work_handle():
+    """L06 c5: all_reduce(..., async_op=True) returns a work handle; after wait() the sum is in place."""
+    (name, has_wait), values = _on_two_cpu_ranks(_async_all_reduce)[0]
+    assert has_wait and name != "NoneType"
+    assert values == [3.0] * 4
+
+
+def test_torch_cat_copies():
+    """L06 c7/c8: torch.cat returns new memory; writing it leaves the inputs alone."""
+    a, b = torch.zeros(3), torch.zeros(2)
+    flat = torch.cat([a, b])
+    flat.add_(1)
+    assert flat.untyped_storage().data_ptr() not in (a.untyped_storage().data_ptr(),
+                                                     b.untyped_storage().data_ptr())
+    assert a.sum() == 0 and b.sum() == 0
+
+
+def _no_sync_flag():
+    ddp = DDP(torch.nn.Linear(2, 1))
+    before = ddp.require_backward_grad_sync
+    with ddp.no_sync():
+        inside = ddp.require_backward_grad_sync
+    return before, inside, ddp.require_backward_grad_sync
+
+
+def test_ddp_no_sync_sets_and_restores_a_flag():
+    """L07 c9: no_sync() sets require_backward_grad_sync to False and restores it on exit."""
+    assert _on_two_cpu_ranks(_no_sync_flag)[0] == (True, False, True)
+
+
+def _split_no_sync():
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(4, 1))
+    x = torch.full((2, 4), float(dist.get_rank() + 1))   # different data on each rank
+
+    def grads_agree():
+        g = ddp.module.weight.grad.clone()
+        other = [torch.zeros_like(g) for _ in range(2)]
+        dist.all_gather(other, g)
+        ddp.zero_grad()
+        return torch.equal(other[0], other[1])
+
+    with ddp.no_sync():
+        loss = ddp(x).sum()            # forward inside
+    loss.backward()                    # backward outside
+    a = grads_agree()
+    loss = ddp(x).sum()                # forward outside
+    with ddp.no_sync():
+        loss.backward()                # backward inside
+    b = grads_agree()
+    return a, b
+
+
+def test_ddp_decides_no_sync_at_forward():
+    """L07 c9/c10: torch DDP reads the flag at forward time: forward inside no_sync with backward
+    outside leaves the gradients local; forward outside with backward inside averages them."""
+    forward_inside, forward_outside = _on_two_cpu_ranks(_split_no_sync)[0]
+    assert forward_inside is False and forward_outside is True
+
+
+def _huge_gradient():
+    # A gradient of 3e38 on both ranks: summing first overflows float32 (max 3.4e38) to inf,
+    # dividing by the world size first gives 1.5e38 + 1.5e38 = 3e38.
+    ddp = DDP(torch.nn.Linear(1, 1, bias=False))
+    ddp(torch.full((1, 1), 3e38)).sum().backward()
+    return ddp.module.weight.grad.item()
+
+
+def test_ddp_divides_by_world_size_before_summing():
+    """L08 c8: torch DDP divides each gradient by the world size before the all-reduce sums."""
+    grad = _on_two_cpu_ranks(_huge_gradient)[0]
+    assert grad == pytest.approx(3e38, rel=1e-6)
+
+
+class _NotATensor:
+    pass
+
+
+def test_weights_only_load_refuses_other_objects():
+    """L08 c4: torch.load(..., weights_only=True) loads tensors and plain containers and refuses
+    an arbitrary pickled object."""
+    ok, bad = io.BytesIO(), io.BytesIO()
+    torch.save({"w": torch.ones(2), "step": 3, "names": ["a"]}, ok)
+    torch.save({"obj": _NotATensor()}, bad)
+    ok.seek(0)
+    bad.seek(0)
+    assert torch.load(ok, weights_only=True)["step"] == 3
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(bad, weights_only=True)
+
+
+def test_adamw_state_is_a_step_and_two_moments_shaped_like_the_parameter():
+    """L08 c10, L09 c16: AdamW keeps a step count and two moments per parameter, of the parameter's
+    shape and dtype: 8 bytes per float32 parameter."""
+    layer = torch.nn.Linear(5, 3)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    layer(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    for p in layer.parameters():
+        state = opt.state[p]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert float(state["step"]) == 1.0
+        moments = [state["exp_avg"], state["exp_avg_sq"]]
+        assert all(m.shape == p.shape and m.dtype == torch.float32 for m in moments)
+        assert sum(m.numel() * m.element_size() for m in moments) == 8 * p.numel()
+
+
+def test_autocast_keeps_parameters_and_gradients_float32():
+    """L09 c16: under autocast a Linear computes in bfloat16, but its weight stays float32, so its
+    gradient (what DDP all-reduces) is float32 too."""
+    layer = torch.nn.Linear(16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(4, 16))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert layer.weight.dtype == torch.float32
+    assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
+
+
+def test_bfloat16_weight_loses_a_small_update():
+    """L09 c16: a bf16 weight cannot take a small update (1 + 0.001 rounds back to 1), which is why
+    mixed-precision training keeps fp32 master weights; in fp32 the update survives."""
+    for dtype, kept in ((torch.bfloat16, False), (torch.float32, True)):
+        w = torch.ones(1, dtype=dtype)
+        w.add_(torch.full((1,), 1e-3, dtype=dtype))
+        assert (w.item() != 1.0) is kept
+
+
+# -- Lessons 12-14 -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _CollectiveDtypes(TorchDispatchMode):
+    """Record every c10d operator torch dispatches, with the dtypes of its tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("c10d."):
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self.calls.append((name.split(".")[1], {t.dtype for t in tensors}))
+        return func(*args, **(kwargs or {}))
+
+
+def _fully_shard_bf16(rank: int, world: int, port: int, queue) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                          reduce_dtype=torch.bfloat16))
+        with _CollectiveDtypes() as seen:
+            out = model(torch.randn(4, 8))
+            out.float().pow(2).mean().backward()
+        queue.put((rank, {"calls": seen.calls, "output": out.dtype,
+                          "shards": [(p.dtype, p.grad.to_local().dtype) for p in model.parameters()]}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_shard_bf16_policy_reduces_gradients_in_bf16_into_fp32_shards():
+    """param_dtype=reduce_dtype=bf16: gather and reduce-scatter move bf16, the fp32 shards get fp32 grads."""
+    world, ctx = 2, mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_fully_shard_bf16, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for r in results.values():
+        ops = {name for name, _ in r["calls"]}
+        assert {"_allgather_base_", "_reduce_scatter_base_"} <= ops, r["calls"]
+        for name, dtypes in r["calls"]:
+            if name in ("_allgather_base_", "_reduce_scatter_base_"):
+                assert dtypes == {torch.bfloat16}, (name, dtypes)   # gathered and reduced in bf16
+        assert r["output"] == torch.bfloat16                          # the forward computed in bf16
+        assert r["shards"] and all(p == g == torch.float32 for p, g in r["shards"])  # fp32 master shards
+
+
+def test_symm_mem_all_reduce_operators_exist_with_these_signatures():
+    """torch.ops.symm_mem.one_shot_all_reduce returns a new tensor; two_shot_all_reduce_ works in place."""
+    one = torch.ops.symm_mem.one_shot_all_reduce.default._schema
+    two = torch.ops.symm_mem.two_shot_all_reduce_.default._schema
+    assert [a.name for a in one.arguments] == ["input", "reduce_op", "group_name"]
+    assert [a.name for a in two.arguments] == ["input", "reduce_op", "group_name"]
+    assert two.arguments[0].alias_info is not None and two.arguments[0].alias_info.is_write
+    assert one.arguments[0].alias_info is None
+
+
+def _nccl_ranks(body: str, tmp_path, env: dict | None = None, world: int = 2) -> list[str]:
+    """Run ``body`` on ``world`` ranks over NCCL (rank r on cuda:r); return each rank's stdout."""
+    script = textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        rank = int(os.environ["RANK"])
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+        try:
+        {body}
+        finally:
+            dist.destroy_process_group()
+    """).format(body=textwrap.indent(textwrap.dedent(body), "    "))
+    port = _free_port()
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world), "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", **(env or {})}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env={**base, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=tmp_path) for r in range(world)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return outs
+
+
+@pytest.mark.gpu(2)
+def test_nccl_reads_nvls_enable_from_the_environment(tmp_path):
+    """NCCL_NVLS_ENABLE=0 reaches NCCL: its ENV log says it was set by the environment to 0."""
+    env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "ENV",
+           "NCCL_DEBUG_FILE": str(tmp_path / "nccl.%p.log")}
+    _nccl_ranks("""
+        t = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+    """, tmp_path, env)
+    logs = [p.read_text() for p in tmp_path.glob("nccl.*.log")]
+    assert len(logs) == 2
+    assert all("NCCL_NVLS_ENABLE set by environment to 0" in log for log in logs), logs
+
+
+@pytest.mark.gpu(2)
+def test_nccl_all_reduce_refuses_cpu_tensors(tmp_path):
+    """Over NCCL, dist.all_reduce of a CPU tensor raises: NCCL moves GPU tensors only."""
+    outs = _nccl_ranks("""
+        try:
+            dist.all_reduce(torch.ones(4))
+            print("reduced")
+        except (RuntimeError, ValueError) as exc:
+            print("refused:", type(exc).__name__)
+    """, tmp_path)
+    assert all("refused:" in out and "reduced" not in out for out in outs), outs
+
+
+@pytest.mark.gpu(2)
+def test_symm_mem_rendezvous_maps_every_peers_buffer(tmp_path):
+    """After rendezvous a rank has a pointer per rank to its buffer and signal pad, reads a peer's data,
+    and finds its signal pad zeroed; symm_mem's one-shot all-reduce sums a symmetric tensor and
+    refuses an ordinary one."""
+    outs = _nccl_ranks("""
+        import torch.distributed._symmetric_memory as symm_mem
+        world, group_name = dist.get_world_size(), dist.group.WORLD.group_name
+        buf = symm_mem.empty(16, dtype=torch.float32, device="cuda")
+        handle = symm_mem.rendezvous(buf, group_name)
+        pad = handle.get_signal_pad(rank, (handle.signal_pad_size // 4,), torch.int32)
+        print("pad zero", bool(pad.eq(0).all().item()))
+        buf.fill_(float(rank + 1))
+        torch.cuda.synchronize()
+        dist.barrier()
+        peer = (rank + 1) % world
+        seen = handle.get_buffer(peer, (16,), torch.float32).clone()
+        torch.cuda.synchronize()
+        dist.barrier()
+        print("ptrs", len(handle.buffer_ptrs), len(handle.signal_pad_ptrs), "peer", seen[0].item())
+        total = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group_name)
+        torch.cuda.synchronize()
+        print("one-shot sum", total[0].item())
+        try:
+            torch.ops.symm_mem.one_shot_all_reduce(torch.ones(16, device="cuda"), "sum", group_name)
+            torch.cuda.synchronize()
+            print("ordinary tensor: reduced")
+        except RuntimeError:
+            print("ordinary tensor: refused")
+        dist.barrier()
+    """, tmp_path)
+    for r, out in enumerate(outs):
+        assert "pad zero True" in out, outs
+        assert f"ptrs 2 2 peer {float((r + 1) % 2 + 1)}" in out, outs
+        assert "one-shot sum 3.0" in out and "ordinary tensor: refused" in out, outs
+
+
+@pytest.mark.gpu(2)
+def test_nccl_kernel_time_includes_waiting_for_a_late_rank(tmp_path):
+    """CUDA events around an NCCL all-reduce on the punctual rank span the late rank's delay."""
+    outs = _nccl_ranks("""
+        import time
+        t = torch.ones(1024, device="cuda")
+        dist.all_reduce(t)   # warm-up: the communicator is set up
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+        if rank == 1:
+            time.sleep(0.5)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_reduce(t)
+        end.record()
+        torch.cuda.synchronize()
+        print("gpu ms", start.elapsed_time(end))
+    """, tmp_path)
+    ms = [float(out.split("gpu ms")[1].split()[0]) for out in outs]
+    assert ms[0] > 300 and ms[1] < 100, ms   # rank 0's collective ran while rank 1 slept
+
+
+def test_meta_device_records_shapes_and_dtypes_without_data():
+    """Under torch.device("meta") modules get parameters of the right shape and dtype, and no data."""
+    with torch.device("meta"):
+        layer = torch.nn.Linear(1000, 500)
+    assert all(p.is_meta for p in layer.parameters())
+    assert layer.weight.shape == (500, 1000) and layer.weight.dtype == torch.float32
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        layer.weight.tolist()   # there are no values to read
