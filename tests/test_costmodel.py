@@ -173,7 +173,7 @@ def test_overlap_matches_an_event_by_event_simulation():
 
 def test_ddp_step_sweep_reports_the_wrappers_real_buckets():
     import dpcourse
-    from dpcourse.costmodel.measure import ddp_step_sweep
+    from dpcourse.bench.steps import ddp_step_sweep
 
     ranks = dpcourse.run(ddp_step_sweep, (0, 1e-3), in_features=8, hidden=16, depth=3, batch_size=4,
                          warmup=1, iters=2, world_size=2, backend="gloo", timeout=90)

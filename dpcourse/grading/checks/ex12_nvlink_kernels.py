@@ -152,7 +152,7 @@ def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, world_sizes=N
         ``{"skipped": bool, "message": str, "results": {kind: {criterion: passed}}}``.
     """
     import dpcourse
-    from dpcourse.errors import RankDiedError, RankError, RankTimeoutError
+    from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 
     gpus = _gpu_count()
     if gpus < MIN_GPUS:
