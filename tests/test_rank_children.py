@@ -155,16 +155,22 @@ def test_failed_run_with_workers_leaves_no_files_and_no_processes(tmp_path):
         launcher.stdout.close()
 
 
+HELD = []  # in a rank: objects kept alive until the launcher stops it
+
+
 def hold_a_named_semaphore():
     import multiprocessing
 
     # A spawn-context lock is a named semaphore (/dev/shm/sem.mp-*) that multiprocessing's
-    # resource tracker unlinks once every process using it is gone.
+    # resource tracker unlinks once every process using it is gone; a rank killed while
+    # holding it (with its tracker) would leave the file behind.
     lock = multiprocessing.get_context("spawn").Lock()
-    name = lock._semlock.name
+    HELD.append(lock)
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, lock._semlock.name)
     if dist.get_rank() == 1:
         time.sleep(1.0)
-        raise ValueError(f"failed holding {name}")
+        raise ValueError("failed holding " + " ".join(names))
     time.sleep(600)  # stopped by the launcher while holding the lock
 
 
@@ -172,6 +178,6 @@ def hold_a_named_semaphore():
 def test_failed_run_leaves_no_named_semaphores():
     with pytest.raises(RankError) as info:
         dpcourse.run(hold_a_named_semaphore, world_size=2, backend="gloo", timeout=120)
-    name = info.value.message.split()[-1]  # e.g. /mp-1a2b3c4d
-    assert name.startswith("/mp-")
-    assert not os.path.exists("/dev/shm/sem." + name[1:])
+    names = info.value.message.split()[2:]  # e.g. /mp-1a2b3c4d, one per rank
+    assert len(names) == 2 and all(name.startswith("/mp-") for name in names)
+    assert [n for n in names if os.path.exists("/dev/shm/sem." + n[1:])] == []
