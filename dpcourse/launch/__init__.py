@@ -4,6 +4,7 @@
 * :mod:`~dpcourse.launch.ranks`: how many ranks, on which backend and why (:func:`plan_ranks`);
 * :mod:`~dpcourse.launch.procs`: the processes of one launch (start, watch, collect, stop);
 * :mod:`~dpcourse.launch.worker`: the entry point of one rank;
+* :mod:`~dpcourse.launch.guard`: ends the ranks' process groups, also when the launcher was killed;
 * :mod:`~dpcourse.launch.relay`: what the ranks print, relayed with a ``[rank r]`` prefix;
 * :mod:`~dpcourse.launch.errors`: the errors a learner sees (a rank raised, died or hung);
 * :mod:`~dpcourse.launch.stacks`: where a hung rank was, read from its stack dump;

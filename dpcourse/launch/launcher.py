@@ -14,7 +14,8 @@ the learner:
 * a rank that raises, dies or hangs stops every rank, and the error names the
   rank and shows its traceback (or, for a hang, where each rank was waiting);
 * Ctrl-C / "interrupt kernel" stops every rank, and a worker exits by itself
-  when the launching process dies.
+  when the launching process dies; what the ranks started (DataLoader workers, a
+  subprocess) ends with them (:mod:`dpcourse.launch.guard`).
 """
 
 from __future__ import annotations
