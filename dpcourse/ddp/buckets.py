@@ -283,3 +283,23 @@ def make_buckets(named_params, bucket_cap_mb: float,
         buckets.append(Bucket(b, indices, names, params, buffer, views_into(buffer, params),
                               grads_are_views))
     return buckets, where
+
+
+@torch.no_grad()
+def attach_grads_to_buckets(buckets: list[Bucket]) -> None:
+    """Make every ``param.grad`` its bucket view before backward, so autograd adds in place.
+
+    Optimizers' ``zero_grad()`` sets gradients to ``None`` by default. Left
+    alone, autograd would then hand each parameter a freshly allocated
+    gradient and the hook would copy it into the bucket: one copy kernel and
+    one Python call per parameter, on the thread that runs backward. Zeroing
+    the bucket once here (one kernel per bucket) and re-pointing the
+    gradients lets autograd accumulate straight into the buckets.
+    """
+    for bucket in buckets:
+        if all(p.grad is None for p in bucket.params):
+            bucket.buffer.zero_()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+            continue
+        bucket.gather_grads()

@@ -191,30 +191,3 @@ def launch_comm_hook(hook, state, index: int, buffer: torch.Tensor, gradients, p
     """
     bucket = GradBucket(index, buffer, gradients, parameters, is_last)
     return HookWork(run_comm_hook(hook, state, bucket), bucket, buffer)
-
-
-class CommHookWrapper:
-    """What a wrapper keeps of its communication hook (the wrappers inherit it)."""
-
-    _comm_hook: Any = None        # hook(state, bucket) -> Future, or None: the built-in all-reduce
-    _comm_hook_state: Any = None
-
-    def register_comm_hook(self, state: Any, hook: Any) -> None:
-        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
-
-        Same contract as ``DistributedDataParallel.register_comm_hook``: the hook gets
-        a :class:`~dpcourse.ddp.comm_hooks.GradBucket` and returns a
-        ``torch.futures.Future`` of the reduced flat tensor; torch's hooks in
-        ``torch.distributed.algorithms.ddp_comm_hooks`` work unchanged. The wrapper
-        does not divide by the world size first: the hook owns the reduction.
-
-        Args:
-            state: passed to every call (e.g. a process group, ``None``, or a ``PowerSGDState``).
-            hook: the function ``hook(state, bucket) -> Future[Tensor]``.
-        """
-        if self._comm_hook is not None:
-            raise RuntimeError("a communication hook is already registered on this wrapper; "
-                               "it can be registered only once (as in torch DDP). Wrap the "
-                               "module in a new wrapper to use another hook.")
-        check_comm_hook(hook)
-        self._comm_hook, self._comm_hook_state = hook, state

@@ -1,10 +1,8 @@
-"""Per-parameter gradient hooks: how a wrapper hears that a gradient has been accumulated.
+"""One wrapper per module: wrapping a module again unhooks the older wrapper.
 
-Autograd calls a *post-accumulate-grad hook* once per backward, right after it
-has added the parameter's gradient into ``param.grad`` (see
-:mod:`dpcourse.ddp.base` for what the wrapper does with the call). One module
-has at most one wrapper hooked into it: wrapping it twice would average every
-gradient twice, so the newest wrapper takes over.
+Each wrapper puts a *post-accumulate-grad hook* on every parameter (see
+:mod:`dpcourse.ddp.overlapped`). Two wrappers around one module would average
+every gradient twice, so the newest wrapper takes over.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import weakref
 from typing import Any
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 
 def take_over(module: nn.Module, wrapper: Any) -> None:
@@ -22,25 +19,3 @@ def take_over(module: nn.Module, wrapper: Any) -> None:
     if previous is not None and previous() is not None:
         previous()._remove_hooks()
     setattr(module, "_dpcourse_wrapper", weakref.ref(wrapper))
-
-
-def register_grad_hooks(params: list[nn.Parameter], wrapper: Any) -> list[RemovableHandle]:
-    """Call ``wrapper._on_grad_accumulated(i, params[i])`` after each gradient accumulates.
-
-    Args:
-        params: the trainable parameters; ``i`` is the position in this list.
-        wrapper: the wrapper; the hooks hold it weakly, so a discarded wrapper is freed.
-
-    Returns:
-        The hooks' handles (``.remove()`` them to unhook).
-    """
-    me = weakref.ref(wrapper)
-
-    def make_hook(index):
-        def hook(param):
-            wrapper = me()
-            if wrapper is not None:
-                wrapper._on_grad_accumulated(index, param)
-        return hook
-
-    return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
