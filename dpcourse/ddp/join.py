@@ -1,7 +1,5 @@
 """Uneven inputs: let ``torch.distributed.algorithms.Join`` drive a dpcourse wrapper.
 
-Every wrapper is a ``Joinable`` whose :class:`~dpcourse.ddp.reducer.Reducer` does the work.
-
 When one rank runs out of batches before the others, the others still issue
 the collectives of their next step, and would wait forever for the missing
 rank. ``Join`` (torch's context manager for this) keeps the finished rank in
@@ -25,6 +23,10 @@ broadcast (only with buffers to sync)  (same condition)
 all-reduce 1/0 ("I will sync grads")   all-reduce 0, read: shadow or not
 one all-reduce per bucket              one all-reduce of zeros per bucket
 =====================================  =========================================
+
+Every wrapper is a ``Joinable``. A rank with data issues the left column (its
+:class:`~dpcourse.ddp.reducer.Reducer`'s ``pre_forward``, then the wrapper's
+buckets); :class:`WrapperJoinHook` issues the right one (``Reducer.shadow_reduce``).
 
 Reference: ``torch/distributed/algorithms/join.py`` and
 ``torch/nn/parallel/distributed.py`` (``_DDPJoinHook``).
