@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 
 class Wrapper(Protocol):
-    """What the guards read of a wrapper (:class:`~dpcourse.ddp.base.DataParallelBase`)."""
+    """What the guards read of a wrapper (``DataParallelNaive``, ``DataParallelBucketed``, ``DataParallelOverlapped``)."""
 
     _named_params: list[tuple[str, nn.Parameter]]  # trainable, in registration order
     _unsynced: set[int]       # indices of gradients not yet averaged

@@ -102,12 +102,16 @@ def plan_ranks(world_size: int | None = None, backend: str = "auto",
     gpus = 0 if device == "cpu" else (visible_gpus() if gpus is None else gpus)
     if backend == "nccl":
         wanted = gpus if world_size is None else world_size
-        if gpus == 0 or wanted > gpus:
+        if gpus == 0:
+            raise ValueError(
+                "backend 'nccl' needs one GPU per rank, but this machine has 0 visible GPUs "
+                "(torch.cuda.device_count() is 0): use backend='gloo' (or 'auto') to run the ranks "
+                "on CPU.")
+        if wanted > gpus:
             raise ValueError(
                 f"backend 'nccl' needs one GPU per rank: world_size={wanted} but {gpus} GPU(s) "
-                f"are visible (torch.cuda.device_count()). Use world_size<={gpus}"
-                f"{' (with gpus >= 1)' if gpus == 0 else ''}, or backend='gloo' (or 'auto') to "
-                "run the ranks on CPU.")
+                f"are visible. Use world_size<={gpus}, or backend='gloo' (or 'auto') to run the "
+                "ranks on CPU.")
         return RankPlan("nccl", wanted, gpus, False, f"backend='nccl' was asked for, this machine has {_has(gpus)}")
     if backend == "gloo":
         n = DEFAULT_CPU_RANKS if world_size is None else world_size

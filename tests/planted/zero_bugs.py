@@ -1,4 +1,4 @@
-"""Wrong answers to exercise 13 (the ZeRO-2 step), one mistake each."""
+"""Wrong answers to exercise 13 (the sharded optimizer step, ZeRO-1), one mistake each."""
 
 import torch
 import torch.distributed as dist
