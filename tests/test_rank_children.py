@@ -75,27 +75,31 @@ class Slow(torch.utils.data.Dataset):
         time.sleep(0.05)
         return torch.tensor([float(i)])
 
-def start_children_then_wait(mode):
+def start_children_then_wait(mode, go):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     loader = iter(torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=2))
     next(loader)  # the two workers are running
     print(f"started {os.getpid()} {child.pid}", flush=True)
     if mode == "fail" and dist.get_rank() == 1:
+        while not os.path.exists(go):  # the test has seen every process: fail now
+            time.sleep(0.05)
         raise ValueError("failed with workers running")
     time.sleep(600)  # stopped by the launcher
 
 try:
-    dpcourse.run(start_children_then_wait, sys.argv[1], world_size=2, backend="gloo", timeout=600)
+    dpcourse.run(start_children_then_wait, sys.argv[1], sys.argv[2], world_size=2, backend="gloo",
+                 timeout=600)
 except dpcourse.RankError as exc:
     print("RankError", exc.message, flush=True)
 """
 
 
-def _start_launcher(mode: str, tmp_path) -> subprocess.Popen:
+def _start_launcher(mode: str, tmp_path, go: str = "") -> subprocess.Popen:
+    """Start a launcher whose ranks start children; in mode "fail" rank 1 raises once ``go`` exists."""
     # A private temporary directory: what the launch leaves there is ours alone.
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    return subprocess.Popen([sys.executable, "-c", LAUNCHER, mode], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, go], cwd=ROOT, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
 def _descendants_once_started(launcher: subprocess.Popen, ranks: int = 2) -> list[int]:
@@ -139,10 +143,14 @@ def _named_semaphores() -> set[str]:
         return set()
 
 
-def test_failed_run_with_workers_leaves_no_files_and_no_processes(tmp_path):
-    launcher = _start_launcher("fail", tmp_path)
+def test_failed_run_with_workers_leaves_no_files_and_no_processes(tmp_path, tmp_path_factory):
+    # Rank 1 fails only once the test has listed every process: on a loaded machine it could
+    # otherwise fail, and the launch end, before the list is taken.
+    go = tmp_path_factory.mktemp("signal") / "go"
+    launcher = _start_launcher("fail", tmp_path, str(go))
     try:
         pids = _descendants_once_started(launcher)
+        go.touch()
         out = launcher.stdout.read()
         assert launcher.wait(timeout=120) == 0
         assert "RankError failed with workers running" in out
