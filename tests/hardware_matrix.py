@@ -78,11 +78,13 @@ def markdown(rows: list[dict], label: str) -> str:
 
 def combined(results: list[dict]) -> str:
     """Render several machines' result files as one table: an item per row, a machine per column."""
-    by_machine: dict[str, list[dict]] = {}  # files of one machine (runs split in parts) join
+    # Files of one machine (a run split in parts) join; an item run again takes the later row.
+    by_machine: dict[str, dict[str, dict]] = {}
     for r in results:
-        by_machine.setdefault(r["machine"]["label"], []).extend(r["rows"])
+        rows = by_machine.setdefault(r["machine"]["label"], {})
+        rows.update({row["item"]: row for row in r["rows"]})
     labels = list(by_machine)
-    results = [{"rows": rows} for rows in by_machine.values()]
+    results = [{"rows": list(rows.values())} for rows in by_machine.values()]
     names: list[str] = []
     for r in results:
         names += [row["item"] for row in r["rows"] if row["item"] not in names]
@@ -91,7 +93,8 @@ def combined(results: list[dict]) -> str:
         cells = []
         for r in results:
             row = next((x for x in r["rows"] if x["item"] == name), None)
-            cells.append("not run" if row is None else f"{row['result']} ({row['wall_s']:.0f} s)")
+            cells.append("not run" if row is None else row["result"] if row.get("wall_s") is None
+                         else f"{row['result']} ({row['wall_s']:.0f} s)")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -23,9 +23,11 @@ def test_files_of_one_machine_join_and_machines_become_columns():
     files = [
         {"machine": one, "rows": [{"item": "lessons/00", "result": "pass", "wall_s": 3.0}]},
         {"machine": one, "rows": [{"item": "solutions/01", "result": "fail", "wall_s": 4.4}]},
-        {"machine": two, "rows": [{"item": "lessons/00", "result": "pass", "wall_s": 2.0}]},
+        {"machine": two, "rows": [{"item": "lessons/00", "result": "fail", "wall_s": 2.0}]},
+        {"machine": two, "rows": [{"item": "lessons/00", "result": "pass", "wall_s": 2.0}]},  # rerun
     ]
     table = hm.combined(files).splitlines()
     assert table[0] == "| item | 1 x GPU | 2 x GPU |"
     assert table[2] == "| lessons/00 | pass (3 s) | pass (2 s) |"
     assert table[3] == "| solutions/01 | fail (4 s) | not run |"
+    assert len(table) == 4
