@@ -1,0 +1,262 @@
+"""What lesson 15 says about torch and gloo when a distributed job goes wrong, asked of torch.
+
+Every failure is planted on 2 CPU ranks over gloo, each in a process group of its own
+with a timeout of a few seconds, so nothing waits for gloo's default 30 minutes. The
+probes without debug settings run in one launch, those under
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` in a second (torch reads the variable when a rank
+starts); a rank that dies runs in two bare processes, since a launcher would stop its
+partner. The tests check torch's own messages, never dpcourse's.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dpcourse
+
+TIMEOUT_S = 2.0  # each probe's process-group timeout
+
+
+def _group(seconds=TIMEOUT_S):
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+
+
+def _attempt(fn):
+    """Run ``fn()``; return what it returned or its error's first line, and the seconds taken."""
+    t0 = time.perf_counter()
+    try:
+        out = dict(result=fn(), error=None)
+    except RuntimeError as err:
+        out = dict(result=None, error=str(err).splitlines()[0] if str(err) else type(err).__name__)
+    out["seconds"] = time.perf_counter() - t0
+    dist.barrier()  # the default group (long timeout): both ranks start the next probe together
+    return out
+
+
+def _skip(group):
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3), group=group)  # rank 1 never calls it
+
+
+def _order(group):
+    t = torch.ones(3)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t, group=group)
+        dist.broadcast(t, 0, group=group)
+    else:
+        dist.broadcast(t, 0, group=group)
+        dist.all_reduce(t, group=group)
+
+
+def _shape(group):
+    t = torch.ones(3 + dist.get_rank())  # rank 0: 3 elements, rank 1: 4
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def _recv_first(group):
+    t, other = torch.zeros(2), 1 - dist.get_rank()
+    dist.recv(t, src=other, group=group)  # both ranks receive first: nobody sends
+    dist.send(t, dst=other, group=group)
+
+
+def _batched_exchange(group):
+    mine, theirs, other = torch.full((2,), float(dist.get_rank())), torch.zeros(2), 1 - dist.get_rank()
+    ops = [dist.P2POp(dist.isend, mine, other, group), dist.P2POp(dist.irecv, theirs, other, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return theirs.tolist()
+
+
+def _late_rank(group, late_s=2.5):
+    if dist.get_rank() == 1:
+        time.sleep(late_s)  # a slow step on one rank: a checkpoint write, a data stall
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
+def _monitored(group):
+    if dist.get_rank() == 0:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=TIMEOUT_S))
+
+
+def _flight_record(group):
+    """Rank 0 issues two all-reduces, rank 1 only the first; each rank's recorded collectives."""
+    dist.all_reduce(torch.ones(3), group=group)
+    try:
+        _skip(group)  # rank 0's second all-reduce waits in vain until the timeout
+    except RuntimeError:
+        pass  # the record is read below
+    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    name = dist.distributed_c10d._get_process_group_name(group)
+    return [(e["collective_seq_id"], e["profiling_name"]) for e in trace["entries"]
+            if e["process_group"][0] == name]
+
+
+def _probe_plain():
+    return dict(
+        skip=_attempt(lambda: _skip(_group())),
+        order=_attempt(lambda: _order(_group())),
+        shape=_attempt(lambda: _shape(_group())),
+        recv_first=_attempt(lambda: _recv_first(_group())),
+        batched=_attempt(lambda: _batched_exchange(_group())),
+        monitored=_attempt(lambda: _monitored(_group(10))),
+        short=_attempt(lambda: _late_rank(_group(1))),
+        long=_attempt(lambda: _late_rank(_group(10))),
+        flight=_attempt(lambda: _flight_record(_group())),
+        debug_level=str(dist.get_debug_level()),
+    )
+
+
+def _probe_detail():
+    return dict(skip=_attempt(lambda: _skip(_group())),
+                order=_attempt(lambda: _order(_group())),
+                shape=_attempt(lambda: _shape(_group())),
+                debug_level=str(dist.get_debug_level()))
+
+
+def _launch(probe, **env):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the ranks start with this environment
+    try:
+        return dpcourse.run(probe, world_size=2, backend="gloo", device="cpu", timeout=120)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _launch(_probe_plain, TORCH_DISTRIBUTED_DEBUG="OFF", TORCH_FR_BUFFER_SIZE="100")
+
+
+@pytest.fixture(scope="module")
+def detail():
+    return _launch(_probe_detail, TORCH_DISTRIBUTED_DEBUG="DETAIL")
+
+
+def test_skipped_collective_times_out_at_the_group_timeout(plain):
+    """Lesson 15, section 1: a rank that skips a collective leaves the others waiting in it
+    until the group's timeout; gloo then raises a RuntimeError that names no rank."""
+    waiting, skipper = plain[0]["skip"], plain[1]["skip"]
+    assert skipper["error"] is None
+    assert "Timed out waiting 2000ms" in waiting["error"], waiting
+    assert "rank" not in waiting["error"].lower()
+    assert TIMEOUT_S - 0.1 <= waiting["seconds"]
+
+
+def test_detail_names_the_rank_that_skipped(detail):
+    """Lesson 15, section 1: under TORCH_DISTRIBUTED_DEBUG=DETAIL the waiting rank's error says
+    which rank failed to arrive (torch runs a monitored barrier before each collective)."""
+    assert [r["debug_level"] for r in detail] == ["DebugLevel.DETAIL"] * 2
+    assert "Ranks 1 failed to pass monitoredBarrier" in detail[0]["skip"]["error"], detail[0]
+
+
+def test_monitored_barrier_names_the_missing_rank(plain):
+    """Lesson 15, section 1: on gloo, rank 0's dist.monitored_barrier names the rank that did not
+    arrive within its timeout."""
+    assert plain[0]["debug_level"] == "DebugLevel.OFF"
+    assert "Rank 1 failed to pass monitoredBarrier in 2000 ms" in plain[0]["monitored"]["error"]
+
+
+def test_collectives_in_different_orders_time_out_without_detail(plain):
+    """Lesson 15, section 2: gloo does not pair an all-reduce with a broadcast: without debug
+    settings both ranks fail (the first by timing out; its partner may instead see the connection
+    close), and neither message mentions a mismatch."""
+    errors = [r["order"]["error"] for r in plain]
+    assert all(errors) and not any("mismatch" in e for e in errors), errors
+    assert any("Timed out" in e for e in errors), errors  # the other may see its partner leave
+
+
+def test_detail_names_collectives_in_different_orders(detail):
+    """Lesson 15, section 2: under DETAIL the first collective raises at once on both ranks and
+    the message names each rank's operation."""
+    for r in detail:
+        e = r["order"]["error"]
+        assert "Detected mismatch between collectives on ranks" in e, e
+        assert "OpType=ALLREDUCE" in e and "OpType=BROADCAST" in e
+        assert r["order"]["seconds"] < TIMEOUT_S  # no waiting for the timeout
+
+
+def test_shape_mismatch_without_detail_is_a_timeout(plain):
+    """Lesson 15, section 3: all-reducing 3 elements on one rank and 4 on the other gives no
+    shape error without debug settings: a rank fails with a timeout."""
+    errors = [r["shape"]["error"] for r in plain]
+    assert any(e and "Timed out" in e for e in errors), errors
+    assert not any(e and ("shape" in e.lower() or "mismatch" in e) for e in errors), errors
+
+
+def test_detail_names_the_shapes(detail):
+    """Lesson 15, section 3: under DETAIL the message names both shapes."""
+    e = detail[0]["shape"]["error"]
+    assert "TensorShape=[3]" in e and "TensorShape=[4]" in e and "Tensor shapes: 3vs 4" in e, e
+
+
+def test_both_ranks_receiving_first_deadlock_until_timeout(plain):
+    """Lesson 15, section 5: two ranks that both call dist.recv before dist.send wait for each
+    other until the timeout; batch_isend_irecv posts both sides at once and completes."""
+    errors = [r["recv_first"]["error"] for r in plain]
+    assert all(errors) and any("Timed out" in e for e in errors), errors
+    assert all(r["recv_first"]["seconds"] >= TIMEOUT_S - 0.1 for r in plain)
+    assert [r["batched"]["result"] for r in plain] == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_a_timeout_shorter_than_a_slow_step_fails_a_correct_program(plain):
+    """Lesson 15, section 6: rank 1 reaches the all-reduce 2.5 s late: a 1 s group timeout fails
+    rank 0, a 10 s one gives the sum on both ranks."""
+    assert "Timed out waiting 1000ms" in plain[0]["short"]["error"]
+    assert [r["long"]["result"] for r in plain] == [2.0, 2.0]
+
+
+def test_gloo_flight_recorder_shows_the_rank_that_fell_behind(plain):
+    """Lesson 15, section 7: with TORCH_FR_BUFFER_SIZE set, torch records gloo collectives too;
+    each rank's record ends at its last collective's sequence number."""
+    records = [r["flight"]["result"] for r in plain]
+    assert records[0] == [(1, "gloo:all_reduce"), (2, "gloo:all_reduce")], records
+    assert records[1] == [(1, "gloo:all_reduce")], records
+
+
+_DYING = textwrap.dedent("""
+    import os, sys, time, datetime, torch, torch.distributed as dist
+    rank, port = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=20))
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    if rank == 1:
+        os._exit(1)  # dies mid-step
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(t)
+        print("no error")
+    except RuntimeError as err:
+        print(f"{time.perf_counter() - t0:.3f} {err}")
+""")
+
+
+def test_a_dead_partner_fails_the_next_collective_at_once():
+    """Lesson 15, section 4: when a gloo rank's process dies, its partner's next collective fails
+    within seconds with a connection error, not at the 20 s timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    procs = [subprocess.Popen([sys.executable, "-c", _DYING, str(r), port], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    out = [p.communicate(timeout=60)[0] for p in procs]
+    assert procs[1].returncode == 1
+    seconds, message = out[0].split(" ", 1)
+    assert "Connection" in message and "peer" in message, out[0]
+    assert float(seconds) < 10
