@@ -98,13 +98,11 @@ def assign_buckets(params, bucket_cap_mb: float = 25.0) -> list[list[int]]:
 
 @dataclass(eq=False)
 class Bucket:
-    """One flat gradient buffer, the parameters whose gradients are views into it, and its round.
+    """One flat gradient buffer and the parameters whose gradients are views into it.
 
-    The round is what :class:`~dpcourse.ddp.DataParallelOverlapped` tracks per
-    backward (as picotron's ``Bucket`` does): how many gradients are still
-    missing (:meth:`mark_ready`), and the work handle of its all-reduce once
-    launched (:meth:`launch`, :meth:`wait`). Every wrapper launches a bucket
-    through :meth:`launch`, a communication hook included.
+    Every wrapper reduces a bucket through :meth:`launch`, a communication hook
+    included; when the bucket is launched during backward is
+    :class:`~dpcourse.ddp.rounds.BucketRound`'s question (lesson 06).
 
     Attributes:
         index: position in the reduction order.
@@ -115,9 +113,7 @@ class Bucket:
         views: ``views[k]`` is ``buffer``'s slice shaped like ``params[k]``.
         grads_are_views: each ``params[k].grad`` is ``views[k]`` (torch's
             ``gradient_as_bucket_view=True``); False: separate gradients, copied into
-            the buffer at :meth:`launch` and back out at :meth:`wait`.
-        pending: gradients of this round not yet marked ready.
-        launched: the all-reduce of this round has been issued.
+            the buffer at :meth:`launch` and back out when its handle is waited for.
     """
 
     index: int
@@ -127,12 +123,6 @@ class Bucket:
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(repr=False)
     grads_are_views: bool = field(default=True, repr=False)
-    pending: int = field(default=0, repr=False)
-    launched: bool = field(default=False, repr=False)
-    work: Any = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self.reset()
 
     @property
     def numel(self) -> int:
@@ -162,40 +152,24 @@ class Bucket:
             view.copy_(param.grad)
         param.grad = view
 
-    def reset(self) -> None:
-        """Start a new round: every gradient missing, nothing launched."""
-        self.pending, self.launched, self.work = len(self.params), False, None
-
-    def mark_ready(self, k: int) -> bool:
-        """Count ``params[k]``'s gradient as final for this round; return True once all are.
-
-        Raises:
-            RuntimeError: the bucket was already all-reduced in this round (the
-                gradient came from a second backward through the same graph).
-        """
-        if self.launched:
-            raise RuntimeError(
-                f"the gradient of {self.names[k]} arrived after its bucket had already been "
-                "all-reduced in this backward. This happens when one forward's graph is "
-                "backpropagated twice; add the losses and call backward once, or run the first "
-                "backward inside no_sync()."
-            )
-        self.pending -= 1
-        return self.pending == 0
-
     @torch.no_grad()
     def launch(self, all_reduce: Callable[..., Any], divisor: int, async_op: bool,
-               comm_hook: Callable[[Bucket], Any] | None = None) -> None:
+               comm_hook: Callable[[Bucket], Any] | None = None) -> Any:
         """Average the bucket in place: divide by ``divisor``, then ``all_reduce`` the buffer.
 
         Args:
             all_reduce: ``fn(tensor, async_op=...)`` summing over the ranks in place.
             divisor: what the sum is divided by: the number of ranks averaged over
                 (the world size; under ``Join``, optionally the ranks still training).
-            async_op: keep the work handle (:meth:`wait` waits for it) instead of blocking.
+            async_op: return the work handle instead of blocking.
             comm_hook: ``fn(bucket) -> work or None`` that replaces both steps: a
                 registered communication hook owns the whole reduction, so nothing is
                 divided first (see :mod:`dpcourse.ddp.comm_hooks`).
+
+        Returns:
+            What to ``wait()`` for before the averaged gradients may be read (on GPU:
+            it orders the current stream after the collective; with separate gradients
+            it also copies the result into each ``param.grad``), or ``None``.
         """
         self.gather_grads()
         if comm_hook is not None:
@@ -204,8 +178,7 @@ class Bucket:
             # Divide before the sum, as torch DDP does (why: dpcourse.comm.averaging).
             divide_before_sum(self.buffer, divisor)
             work = all_reduce(self.buffer, async_op=async_op)
-        self.work = work if self.grads_are_views else _CopyOut(work, self)
-        self.launched = True
+        return work if self.grads_are_views else _CopyOut(work, self)
 
     def gather_grads(self) -> None:
         """Make the buffer hold every ``param.grad`` of the bucket before it is reduced."""
@@ -214,18 +187,12 @@ class Bucket:
                 if p.grad is not view:
                     self.attach_grad(k)  # param.grad was replaced after backward
             return
-        for p, view in zip(self.params, self.views):  # separate gradients: copy them in
-            view.copy_(p.grad) if p.grad is not None else view.zero_()  # zeros where unused
-
-    def wait(self) -> None:
-        """Wait for the launched reduction (on GPU: order the current stream after it).
-
-        With separate gradients (``grads_are_views=False``) the result is then copied
-        into each ``param.grad``.
-        """
-        work, self.work = self.work, None
-        if work is not None:
-            work.wait()  # for this bucket's all_reduce, started with async_op=True
+        grads = [p.grad for p in self.params]  # separate gradients: copy them in
+        if all(g is not None for g in grads):
+            torch._foreach_copy_(self.views, grads)  # type: ignore[arg-type]  # one call per bucket
+            return
+        for g, view in zip(grads, self.views):
+            view.copy_(g) if g is not None else view.zero_()  # zeros where unused
 
 
 class _CopyOut:
@@ -238,7 +205,11 @@ class _CopyOut:
     def wait(self) -> None:
         if self.work is not None:  # None: a custom all_reduce= or a blocking call finished
             self.work.wait()
-        for p, view in zip(self.bucket.params, self.bucket.views):
+        params, views = self.bucket.params, self.bucket.views
+        if all(p.grad is not None for p in params):
+            torch._foreach_copy_([p.grad for p in params], views)  # type: ignore[misc]  # one call
+            return
+        for p, view in zip(params, views):
             if p.grad is None:
                 p.grad = view.clone()
             else:

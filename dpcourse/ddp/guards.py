@@ -1,14 +1,14 @@
 """The mistakes a data-parallel wrapper refuses, each checked at one named moment.
 
-* :func:`check_wrappable` - at construction: what can be wrapped at all;
-* :func:`check_same_model` - at construction: every rank wraps the same parameters;
+* :func:`check_wrappable` - at construction: what can be wrapped at all, and
+  (:func:`check_same_model`) every rank wraps the same parameters;
 * :func:`check_forward` - at each forward: the wrapper is still the module's;
 * :func:`check_backward_start` - at the first gradient of a synchronised backward:
   a forward through the wrapper preceded it;
 * :func:`check_all_gradients` - when gradients are synchronised: every trainable
   parameter got one (otherwise the ranks would wait for each other forever);
 * :func:`install_step_guard` - at ``optimizer.step()``: no gradient is still
-  this rank's alone.
+  this rank's alone (:func:`install` arms it, at construction).
 
 Each error says what went wrong and what to do, because the alternative is a
 hang or replicas that silently drift apart.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 class Wrapper(Protocol):
     """What the guards read of a wrapper (``DataParallelNaive``, ``DataParallelBucketed``, ``DataParallelOverlapped``)."""
 
-    _named_params: list[tuple[str, nn.Parameter]]  # trainable, in registration order
+    reducer: Any              # .named_params: trainable (name, parameter), registration order
     _unsynced: set[int]       # indices of gradients not yet averaged
     _forward_pending: bool    # a forward through the wrapper awaits its backward
     _replaced: bool           # a newer wrapper took the module over
@@ -39,7 +39,7 @@ class Wrapper(Protocol):
 
 def check_wrappable(module: nn.Module, group: dist.ProcessGroup | None,
                     all_reduce: object) -> list[tuple[str, nn.Parameter]]:
-    """Validate a wrapper's arguments; return the trainable ``(name, parameter)`` pairs.
+    """Validate a wrapper's arguments here and across ranks; return the trainable parameters.
 
     Args:
         module: the model to wrap.
@@ -83,6 +83,7 @@ def check_wrappable(module: nn.Module, group: dist.ProcessGroup | None,
             f"the process group uses NCCL, which only moves GPU tensors, but the module is on "
             f"{device}. Move it first: module.to(f'cuda:{{rank}}')."
         )
+    check_same_model(module, group, device)  # the first collective: every rank is checked
     return params
 
 
@@ -150,8 +151,8 @@ def check_forward(wrapper: Wrapper) -> None:
         )
 
 
-def check_backward_start(wrapper: Wrapper) -> None:
-    """Refuse a synchronised backward that no forward through the wrapper preceded."""
+def check_backward_start(wrapper: Any) -> None:
+    """Refuse a synchronised backward that no forward through the wrapper preceded; consume that forward."""
     if not wrapper._forward_pending:
         raise RuntimeError(
             f"{type(wrapper).__name__}: a backward pass reached the wrapped parameters but "
@@ -160,11 +161,12 @@ def check_backward_start(wrapper: Wrapper) -> None:
             "backpropagate several losses of one forward, add them and call backward "
             "once, or run the earlier backwards inside no_sync()."
         )
+    wrapper._forward_pending = False
 
 
 def check_all_gradients(wrapper: Wrapper) -> None:
     """Refuse to synchronise when some trainable parameter received no gradient."""
-    missing = [n for i, (n, _) in enumerate(wrapper._named_params) if i not in wrapper._unsynced]
+    missing = [n for i, (n, _) in enumerate(wrapper.reducer.named_params) if i not in wrapper._unsynced]
     if missing:
         raise RuntimeError(
             f"{type(wrapper).__name__}: these parameters received no gradient in this step: "
@@ -173,6 +175,12 @@ def check_all_gradients(wrapper: Wrapper) -> None:
             "the loss, or freeze the unused ones (param.requires_grad_(False)) before "
             "wrapping (torch DDP offers find_unused_parameters=True for this case)."
         )
+
+
+def install(wrapper: Wrapper) -> None:
+    """Arm the guards of a new wrapper: no forward awaits its backward yet, and the step guard."""
+    wrapper._forward_pending = False
+    install_step_guard(wrapper)
 
 
 def install_step_guard(wrapper: Wrapper) -> None:
@@ -188,11 +196,11 @@ def install_step_guard(wrapper: Wrapper) -> None:
     garbage-collected or its hooks are removed.
 
     Args:
-        wrapper: reads its ``_named_params`` and ``_unsynced`` (indices of gradients
+        wrapper: reads its ``reducer.named_params`` and ``_unsynced`` (indices of gradients
             not yet averaged); sets ``_step_guard`` to the hook's handle.
     """
     me = weakref.ref(wrapper)
-    index_of = {id(p): i for i, (_, p) in enumerate(wrapper._named_params)}
+    index_of = {id(p): i for i, (_, p) in enumerate(wrapper.reducer.named_params)}
 
     def before_step(optimizer, args, kwargs):
         w = me()
@@ -202,7 +210,7 @@ def install_step_guard(wrapper: Wrapper) -> None:
                    if id(p) in index_of}
         pending = sorted(stepped & w._unsynced)
         if pending:
-            names = ", ".join(w._named_params[i][0] for i in pending[:5])
+            names = ", ".join(w.reducer.named_params[i][0] for i in pending[:5])
             more = f" and {len(pending) - 5} more" if len(pending) > 5 else ""
             raise RuntimeError(
                 f"optimizer.step() was called before the gradients of {names}{more} were "

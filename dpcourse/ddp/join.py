@@ -85,11 +85,11 @@ class WrapperJoinHook(JoinHook):
         r = self.reducer
         w = r._wrapper
         if r.broadcast_buffers_next and r.broadcast_buffers and list(w.module.buffers()):
-            src = group_src(w.group, find_common_rank(w.group, r.device, False))
+            src = group_src(r.group, find_common_rank(r.group, r.device, False))
             for b in w.module.buffers():
-                dist.broadcast(b, src=src, group=w.group)
+                dist.broadcast(b, src=src, group=r.group)
         flag = torch.zeros(1, device=r.device)
-        dist.all_reduce(flag, group=w.group)
+        dist.all_reduce(flag, group=r.group)
         should_sync = bool(flag.item() != 0)
         r.broadcast_buffers_next = should_sync
         if should_sync:
@@ -100,6 +100,6 @@ class WrapperJoinHook(JoinHook):
         """Copy parameters and buffers from one of the last ranks to join, so all ranks agree."""
         r = self.reducer
         w = r._wrapper
-        src = group_src(w.group, find_common_rank(w.group, r.device, is_last_joiner))
+        src = group_src(r.group, find_common_rank(r.group, r.device, is_last_joiner))
         for t in list(w.module.parameters()) + list(w.module.buffers()):
-            dist.broadcast(t.detach(), src=src, group=w.group)
+            dist.broadcast(t.detach(), src=src, group=r.group)

@@ -16,8 +16,8 @@ four moments, and with its defaults every answer is the plain one):
 * **a bucket is reduced** (:meth:`Reducer.reduce_hook`, :meth:`Reducer.divisor`): a
   registered communication hook owns the reduction (``register_comm_hook``); under
   ``Join`` the sum may be divided by the ranks that still have data;
-* **synchronisation** (:meth:`Reducer.before_sync`, :meth:`Reducer.after_sync`):
-  parameters nobody used get their ``None`` gradient back.
+* **synchronisation** (:meth:`Reducer.synchronizing`): every parameter must have a
+  gradient; parameters nobody used get their ``None`` gradient back.
 
 When one rank runs out of data, ``Join`` calls :meth:`Reducer.join_hook`'s hook,
 which issues the same collectives on zeros (:mod:`dpcourse.ddp.join`).
@@ -28,14 +28,21 @@ Reference: ``torch/nn/parallel/distributed.py`` and
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
+from dpcourse.comm.collective import sum_over_ranks
+from dpcourse.comm.p2p import AllReduce
+from dpcourse.ddp import guards
 from dpcourse.ddp.broadcast import group_src
 from dpcourse.ddp.bucket_order import agree_on_order, assign_buckets_in_order
 from dpcourse.ddp.buckets import Bucket, check_bucket_cap, make_buckets, views_into
@@ -49,10 +56,17 @@ __all__ = ["Reducer"]
 class Reducer:
     """torch DDP's options for one wrapper: Join, comm hooks, unused parameters, bucket order.
 
+    It also holds what every wrapper needs alike: the checked trainable parameters,
+    the group and the collective.
+
     Args:
         wrapper: the wrapper that owns this reducer (held weakly); it provides
-            ``module``, ``group``, ``world_size``, ``require_backward_grad_sync``,
-            ``_named_params`` and, if bucketed, ``buckets``.
+            ``module``, ``require_backward_grad_sync``, ``_sync_this_backward``,
+            ``_unsynced`` and, if bucketed, ``buckets``.
+        module: the model the wrapper wraps (checked: :func:`~dpcourse.ddp.guards.check_wrappable`).
+        group: process group to average over (``None``: the default group).
+        all_reduce: the collective, see :func:`~dpcourse.comm.collective.sum_over_ranks`.
+        bucket_cap_mb: the bucketed wrappers' cap (see :func:`~dpcourse.ddp.buckets.assign_buckets`).
         broadcast_buffers: copy the buffers of one rank to every rank before each
             forward (torch's default; under ``Join``, a rank still training).
         find_unused_parameters: after each forward, find the parameters it did not use
@@ -69,10 +83,17 @@ class Reducer:
             around each reduction.
     """
 
-    def __init__(self, wrapper: Any, *, broadcast_buffers: bool = True,
+    def __init__(self, wrapper: Any, module: nn.Module, group: dist.ProcessGroup | None,
+                 all_reduce: AllReduce | None, bucket_cap_mb: float | None = None, *,
+                 broadcast_buffers: bool = True,
                  find_unused_parameters: bool = False, static_graph: bool = False,
                  first_bucket_mb: float | None = None, rebuild_buckets: bool = False,
                  gradient_as_bucket_view: bool = True):
+        # Validated before the checks' first collective.
+        self.bucket_cap_mb = None if bucket_cap_mb is None else check_bucket_cap(bucket_cap_mb)
+        self.named_params = guards.check_wrappable(module, group, all_reduce)
+        self.group, self.world_size = group, dist.get_world_size(group)
+        self.all_reduce = partial(sum_over_ranks, group=group, all_reduce=all_reduce)
         if first_bucket_mb is not None:
             check_bucket_cap(first_bucket_mb)
         self._ref = weakref.ref(wrapper)  # the wrapper holds its reducer, not the other way
@@ -80,7 +101,7 @@ class Reducer:
         self.broadcast_buffers = bool(broadcast_buffers)
         self.first_bucket_mb = first_bucket_mb
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        self.unused = UnusedParameters([p for _, p in wrapper._named_params],
+        self.unused = UnusedParameters([p for _, p in self.named_params],
                                        find_unused_parameters, static_graph)
         self.comm_hook: Any = None   # hook(state, bucket) -> Future, or None: divide + all-reduce
         self.comm_hook_state: Any = None
@@ -99,10 +120,11 @@ class Reducer:
         return self._ref()
 
     # -- buckets ---------------------------------------------------------------
-    def make_buckets(self, bucket_cap_mb: float, order: list[int] | None = None
+    def make_buckets(self, order: list[int] | None = None
                      ) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
         """Build the wrapper's buckets: reverse registration order, or ``order`` (a rebuild)."""
-        named = self._wrapper._named_params
+        named, bucket_cap_mb = self.named_params, self.bucket_cap_mb
+        assert bucket_cap_mb is not None, "a bucketed wrapper passes bucket_cap_mb"
         assignment = None
         if order is not None or self.first_bucket_mb is not None:
             order = list(reversed(range(len(named)))) if order is None else order
@@ -111,12 +133,12 @@ class Reducer:
         return make_buckets(named, bucket_cap_mb, assignment, self.gradient_as_bucket_view)
 
     @torch.no_grad()
-    def rebuild(self, bucket_cap_mb: float) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+    def rebuild(self) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
         """New buckets in rank 0's arrival order of the first synchronised backward."""
         self.rebuild_pending = False
-        order = agree_on_order(self.arrival, len(self._wrapper._named_params), self.device,
-                               self._wrapper.group)
-        buckets, where = self.make_buckets(bucket_cap_mb, order)
+        order = agree_on_order(self.arrival, len(self.named_params), self.device,
+                               self.group)
+        buckets, where = self.make_buckets(order)
         if self.gradient_as_bucket_view:  # keep accumulated gradients, now in the new buckets
             for bucket in buckets:
                 for k, p in enumerate(bucket.params):
@@ -125,32 +147,43 @@ class Reducer:
         return buckets, where
 
     # -- forward -----------------------------------------------------------------
-    def pre_forward(self) -> None:
-        """The collectives before a forward, in torch DDP's order: join flag, buffers, sync flag."""
+    def pre_forward(self) -> bool:
+        """The collectives before a forward, in torch DDP's order: join flag, buffers, sync flag.
+
+        Returns:
+            Whether the backward of this forward synchronises: ``no_sync()`` is read
+            here, at forward time, as torch does. A no-grad forward (evaluation)
+            leaves the previous answer, and any pending work, alone.
+        """
         w = self._wrapper
+        guards.check_forward(w)
         self._join_work = Join.notify_join_context(w)   # no-op outside Join
         self._join_divisor = None
         buffers = list(w.module.buffers())
         if self.broadcast_buffers_next and self.broadcast_buffers and buffers:
             src = 0   # rank 0 may have joined with stale buffers: then one still training
             if w._join_config.enable:
-                src = find_common_rank(w.group, self.device, True)
+                src = find_common_rank(self.group, self.device, True)
             with torch.no_grad():
                 for b in buffers:
-                    dist.broadcast(b, src=group_src(w.group, src), group=w.group)
+                    dist.broadcast(b, src=group_src(self.group, src), group=self.group)
         if w._join_config.enable:  # tell joined ranks whether this backward reduces
             flag = torch.tensor([1.0 if w.require_backward_grad_sync else 0.0],
                                 device=self.device)
-            dist.all_reduce(flag, group=w.group)
-        grad = torch.is_grad_enabled()
-        self.broadcast_buffers_next = grad and w.require_backward_grad_sync
-        if grad:
-            self.unused.before_forward()
+            dist.all_reduce(flag, group=self.group)
+        if not torch.is_grad_enabled():
+            self.broadcast_buffers_next = False
+            return w._sync_this_backward
+        self.broadcast_buffers_next = w.require_backward_grad_sync
+        self.unused.before_forward()
+        w._forward_pending = w.require_backward_grad_sync  # see guards.check_backward_start
+        return w.require_backward_grad_sync
 
-    def post_forward(self, output: Any, syncs: bool) -> None:
-        """Find the parameters the forward did not use (only when asked to, as torch)."""
+    def post_forward(self, output: Any, syncs: bool) -> Any:
+        """Find the parameters the forward did not use (only when asked to, as torch); return ``output``."""
         if torch.is_grad_enabled():
             self.unused.after_forward(output, syncs)
+        return output
 
     # -- backward ------------------------------------------------------------------
     @property
@@ -173,7 +206,7 @@ class Reducer:
             work, self._join_work = self._join_work, None
             # Its result: how many ranks announced that they still have data.
             self._join_divisor = int(work.get_future().wait()[0].item())
-        return self._join_divisor or self._wrapper.world_size
+        return self._join_divisor or self.world_size
 
     def reduce_hook(self):
         """What ``Bucket.launch`` calls instead of dividing and all-reducing, if anything."""
@@ -187,28 +220,53 @@ class Reducer:
         # NCCL runs those callbacks at once on this thread; gloo runs them later on its
         # own thread, where they could interleave with the next bucket's collectives in a
         # different order on each rank. There, finish each bucket before the next.
-        if dist.get_backend(self._wrapper.group) != "nccl":
+        if dist.get_backend(self.group) != "nccl":
             work.wait()
             return None
         return work
 
     def _last_bucket_index(self) -> int:
         buckets = getattr(self._wrapper, "buckets", None)
-        return len(buckets if buckets is not None else self._wrapper._named_params) - 1
+        return len(buckets if buckets is not None else self.named_params) - 1
 
     # -- synchronisation -----------------------------------------------------------
-    def before_sync(self, unsynced: set[int]) -> None:
-        """Unused here, maybe used elsewhere: reduce their (zero) slots like the rest."""
-        if self.unused.searched:
-            unsynced.update(range(len(self._wrapper._named_params)))
+    @contextlib.contextmanager
+    def synchronizing(self) -> Iterator[bool]:
+        """Bracket one synchronisation of the wrapper's ``_unsynced`` gradients.
 
-    def after_sync(self, reduced: bool) -> None:
-        """Give ``None`` back to gradients nobody used (after a reduction); start afresh."""
+        Before: the (zero) slots of parameters this rank did not use join the
+        gradients to reduce (``find_unused_parameters``, ``static_graph``: maybe used
+        elsewhere), and every trainable parameter must have a gradient
+        (:func:`~dpcourse.ddp.guards.check_all_gradients`). After: gradients no rank
+        used get their ``None`` back, and ``_unsynced`` is emptied, also when the
+        reduction raised.
+
+        Yields:
+            Whether there is anything to synchronise (False: nothing arrived since the
+            last synchronisation, and the body must do nothing).
+        """
+        unsynced = self._wrapper._unsynced
+        if not unsynced:
+            yield False
+            return
+        if self.unused.searched:
+            unsynced.update(range(len(self.named_params)))
         try:
-            if reduced and self.unused.searched:
-                self.unused.forget_globally_unused(self.device, self._wrapper.group)
+            guards.check_all_gradients(self._wrapper)
+        except RuntimeError:
+            unsynced.clear()
+            raise
+        reduced = False
+        try:
+            yield True
+            reduced = True
         finally:
-            self.unused.clear()
+            unsynced.clear()
+            try:
+                if reduced and self.unused.searched:
+                    self.unused.forget_globally_unused(self.device, self.group)
+            finally:
+                self.unused.clear()
 
     def register_comm_hook(self, state: Any, hook) -> None:
         """See :meth:`dpcourse.ddp.DataParallelOverlapped.register_comm_hook`."""
@@ -223,7 +281,7 @@ class Reducer:
     @property
     def device(self) -> torch.device:
         """Device of the wrapper's gradients (where the flags' tensors live)."""
-        return self._wrapper._named_params[0][1].device
+        return self.named_params[0][1].device
 
     def join_hook(self, **kwargs) -> JoinHook:
         """The hook ``Join`` calls once this rank has run out of data (see :mod:`~dpcourse.ddp.join`)."""
@@ -234,7 +292,7 @@ class Reducer:
         """Issue the gradient collectives of one synchronised backward, on zeros."""
         buckets = getattr(self._wrapper, "buckets", None)
         if buckets is None:   # one all-reduce per parameter, as DataParallelNaive
-            params = [p for _, p in self._wrapper._named_params]
+            params = [p for _, p in self.named_params]
             flat = [torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params]
             buckets = [Bucket(i, [i], [""], [p], f, [f.view(p.shape)])
                        for i, (p, f) in enumerate(zip(params, flat))]
@@ -242,7 +300,7 @@ class Reducer:
         for bucket in buckets:
             zeros = torch.zeros_like(bucket.buffer)
             if self.comm_hook is None:
-                works.append(self._wrapper.all_reduce(zeros, async_op=True))
+                works.append(self.all_reduce(zeros, async_op=True))
             else:
                 works.append(self._hand_to_comm_hook(
                     replace(bucket, buffer=zeros, views=views_into(zeros, bucket.params))))
