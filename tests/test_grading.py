@@ -131,6 +131,52 @@ def test_every_hidden_collective_is_absent_at_run_time(monkeypatch):
     assert "max |diff|" in detail  # dummy traffic does not make a sum
 
 
+BY_THE_CLASS = {  # the module refuses these names; its class still holds the functions
+    "all_reduce": "type(dist).all_reduce(dist, tensor)",
+    "all_gather_into_tensor": "type(dist).all_gather_into_tensor(dist, torch.empty("
+                              "dist.get_world_size() * tensor.numel()), tensor)",
+}
+
+
+@pytest.mark.parametrize("op", sorted(BY_THE_CLASS))
+def test_the_relay_refuses_a_collective_whatever_name_called_it(monkeypatch, op):
+    """The exercise's allow-list is applied where the operation arrives: at the grader's relay."""
+    import dpcourse.grading.runner as runner
+
+    monkeypatch.setattr(runner, "policy_findings", lambda *a, **k: [])  # past the scan too
+    source = ("import torch\nimport torch.distributed as dist\n\n\n"
+              f"def ring_all_reduce(tensor, group=None):\n    {BY_THE_CLASS[op]}\n")
+    spec = get_spec("ring_all_reduce")
+    spec.world_sizes = (2,)
+    result = run_check(spec, [("<cell 0>", source)], spec.roles, timeout=20)
+    detail = result.criterion("matches_all_reduce").detail
+    assert f"torch.distributed.{op} is not available to graded code" in detail, detail
+    assert result.points == 0
+
+
+def test_the_relay_computes_nothing_the_exercise_does_not_allow():
+    """A refused operation fails the round before any rank gets a reply."""
+    import socket
+
+    from dpcourse.grading.relay import MessageRelay, Round, allowed_ops
+    from dpcourse.grading.shim import COLLECTIVES, P2P
+
+    pairs = [socket.socketpair() for _ in range(2)]
+    out = Round(2, [None, None], [[], []])
+    relay = MessageRelay([a for a, _ in pairs], out, stack=None, allowed=allowed_ops(P2P),
+                         why="Use send and recv.")
+    for rank in range(2):
+        relay.handle(rank, {"t": "coll", "op": "all_reduce", "id": 1, "reduce": "sum"},
+                     [torch.ones(3)])
+    assert out.failure is not None and "all_reduce is not available" in out.failure.text
+    assert not out.events[0] and not out.events[1]  # not recorded as done, not computed
+    pairs[0][1].setblocking(False)
+    with pytest.raises(BlockingIOError):  # no reply was sent
+        pairs[0][1].recv(1)
+    assert allowed_ops(COLLECTIVES) == {"all_reduce", "broadcast", "barrier"}
+    assert {"send", "recv"} <= allowed_ops(P2P) and "all_reduce" not in allowed_ops(P2P)
+
+
 def test_naive_ddp_planted_bugs(tmp_path):
     no_divide = check("naive_ddp", ddp_bugs.NaiveNoDivide, quiet=True)
     assert "grads_averaged" in _failed(no_divide)
@@ -269,13 +315,11 @@ def test_exercise_12_is_not_graded_without_two_gpus_and_the_other_check_is(tmp_p
 def test_the_grader_decides_the_skip_and_starts_nothing_for_it(monkeypatch):
     """The grader's own view of the GPUs decides; the graded code cannot turn a run into a skip."""
     import dpcourse.grading.checks.ex12_nvlink_kernels as ex12
-    from dpcourse.grading import autograde, inprocess_grade, inprocess_run
+    from dpcourse.grading import autograde, world
     from dpcourse.grading.submission import from_notebook, load
 
     text = (ROOT / "solutions" / "12_nvlink_kernels.ipynb").read_text()
-    nb = nbformat.reads(text, as_version=4)
-    sources = from_notebook(nb)
-    cells, _ = extract(sources)
+    cells, _ = extract(from_notebook(nbformat.reads(text, as_version=4)))
     spec = get_spec("nvlink_kernels")
 
     class Started(Exception):
@@ -285,25 +329,24 @@ def test_the_grader_decides_the_skip_and_starts_nothing_for_it(monkeypatch):
         raise Started(args)
 
     monkeypatch.setattr(ex12, "_gpu_count", lambda: 1)
-    for module in (autograde.subprocess, inprocess_grade.subprocess):
+    for module in (autograde.subprocess, world.subprocess):
         monkeypatch.setattr(module, "Popen", refuse)
     info, results, executed = autograde.grade_notebook("12_nvlink_kernels.ipynb", text, 60, None)
     assert info["status"] == "not graded" and executed is None
     (result,) = results
     assert "this machine has 1" in result.not_graded and result.points == 0
     assert not result.criteria and "not graded on this machine" in str(result)
-    # With 2 GPUs in the grader's view it grades: it starts the check's process.
+    # With 2 GPUs in the grader's view it grades: it starts the check's rank.
     monkeypatch.setattr(ex12, "_gpu_count", lambda: 2)
     with pytest.raises(Started):
-        inprocess_grade.grade_in_process(spec, cells, sources)
-    # In that process (here: 0 GPUs, as if the graded code hid them) a skip is a failure.
+        run_check(spec, cells, spec.roles)
+    # In that rank (here: 0 GPUs, as if the graded code hid them) a skip is a failure.
+    inputs = spec.make_inputs(__import__("random").Random(0), 1)[0]
     monkeypatch.setattr(ex12, "_gpu_count", lambda: 0)
-    objs = load(cells, {"main": "one_shot_kernel", "two_shot": "two_shot_kernel"},
-                dict(vars(__import__("builtins"))))
+    objs = load(cells, spec.roles, dict(vars(__import__("builtins"))))
     assert objs["main"].source.startswith("def one_shot_kernel(")  # @kernel found its text
-    ran = inprocess_run.run_check(spec, objs["main"], {"two_shot": objs["two_shot"]})
-    assert ran.not_graded is None and ran.points == 0 and not ran.criteria[0].passed
-    assert "at least 2 CUDA GPUs" in ran.criteria[0].detail
+    with pytest.raises(RuntimeError, match="at least 2 CUDA GPUs"):
+        spec.rank_run(None, objs, inputs)
 
 
 def test_exercise_12_check_in_a_notebook_without_gpus_says_where_to_run_it(capsys, monkeypatch):
@@ -433,7 +476,6 @@ def test_scan_refuses_escape_hatches_and_accepts_the_solutions():
                  "imports gc", "calls open()"):
         assert what in found, what
     from dpcourse.grading.checks import for_notebook
-    from dpcourse.grading.inprocess_grade import _check_call_names
     from dpcourse.grading.submission import from_notebook
 
     for path in sorted((ROOT / "solutions").glob("*.ipynb")):
@@ -441,9 +483,8 @@ def test_scan_refuses_escape_hatches_and_accepts_the_solutions():
         cells, problems = extract(sources)
         assert not problems
         for spec in for_notebook(path.name):
-            names = getattr(spec, "roles", None) or _check_call_names(cells, sources, spec.name)
-            assert policy_findings(cells, list(names.values()),
-                                   getattr(spec, "allowed_imports", {})) == [], (path, spec.name)
+            assert policy_findings(cells, list(spec.roles.values()),
+                                   spec.allowed_imports) == [], (path, spec.name)
 
 
 def test_hints_name_causes_without_handing_over_code():

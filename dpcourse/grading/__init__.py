@@ -15,8 +15,6 @@ Adding an exercise's check (lesson NN):
 4. Add the class to ``REGISTRY`` in ``grading/checks/__init__.py``; add a solution
    notebook (``solutions/NN_topic.ipynb``) calling ``check(name, fn)``, run make_exercises,
    and add a planted wrong solution to ``tests/planted/`` that fails the criterion it names.
-(Checks written as ``inprocess.CheckSpec`` are listed in ``IN_PROCESS`` there: they run
-beside the learner's code, so port them to step 1's form to make their verdicts structural.)
 """
 
 from __future__ import annotations

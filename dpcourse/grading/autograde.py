@@ -36,18 +36,13 @@ from dataclasses import dataclass
 import psutil
 
 from dpcourse.grading import procs, sandbox as sandboxing
+from dpcourse.argtypes import UsageError
 from dpcourse.grading.checks import for_notebook
 from dpcourse.grading.report import NOT_GRADED_STATUS, CheckResult, CriterionResult, strip_ansi
-from dpcourse.grading.checks import Exercise
-from dpcourse.grading.inprocess_grade import grade_in_process, not_here_for_grader
 from dpcourse.grading.runner import SKIP_ENV, run_check
 from dpcourse.grading.submission import extract
 
 KERNEL_START = 60.0  # seconds for the kernel to come up, on top of the notebook's time limit
-
-
-class UsageError(ValueError):
-    """A path or option that cannot be graded; the command line reports it in one line."""
 
 
 @dataclass
@@ -206,6 +201,19 @@ def _read(path: str):
         return None
 
 
+def not_here_for_grader(spec) -> str | None:
+    """What this machine lacks to grade ``spec``, and where to grade it instead; or ``None``.
+
+    Asked in the grader's own process (its view of the GPUs, not the notebook's): a
+    notebook cannot make its check count as not graded, nor as graded.
+    """
+    lack = spec.unavailable_here()
+    if not lack:
+        return None
+    return (f"{lack}. No points were given or taken: grade the exercise {spec.exercise} "
+            f"notebooks again with dpcourse grade on a machine with {spec.needs}.")
+
+
 def _zero(spec, why: str) -> CheckResult:
     return CheckResult(spec.name, spec.exercise, spec.title, [
         CriterionResult(c.name, c.description, False, f"not graded: {why}", "",
@@ -252,11 +260,7 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot,
         if spec.name in blocked:
             results.append(CheckResult.not_graded_here(spec, blocked[spec.name]))
             continue
-        if isinstance(spec, Exercise):
-            result = run_check(spec, cells, spec.roles, problems=problems, sandbox=sandbox)
-        else:
-            result = grade_in_process(spec, cells, sources, problems, timeout=timeout,
-                                      sandbox=sandbox)
+        result = run_check(spec, cells, spec.roles, problems=problems, sandbox=sandbox)
         if sandbox is None:
             result.notes.insert(0, f"{NOT_SANDBOXED}: the grader was asked to run this "
                                 "notebook's code with its own rights (--no-sandbox)")
@@ -274,7 +278,7 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None,
 
     Args:
         paths: notebooks or folders.
-        timeout: seconds of cell time allowed per notebook, and per in-process check.
+        timeout: seconds of cell time allowed per notebook.
         feedback: folder for one feedback notebook (and HTML) per graded notebook.
         sandbox: run the notebook's code (kernel and ranks) in the sandbox
             (:mod:`~dpcourse.grading.sandbox`); where it cannot run, :class:`UsageError`

@@ -20,7 +20,7 @@ import traceback
 BLOCKED = ("dpcourse.grading.oracles", "dpcourse.grading.runner", "dpcourse.grading.world",
            "dpcourse.grading.relay", "dpcourse.grading.autograde", "dpcourse.grading.gradebook",
            "dpcourse.grading.executor", "dpcourse.grading.integrity",
-           "dpcourse.grading.inprocess_grade", "dpcourse.grading.checks.join_verdicts",
+           "dpcourse.grading.checks.join_verdicts",
            "dpcourse.grading.checks.feedback_verdicts", "dpcourse.grading.checks.fsdp_verdicts")
 
 

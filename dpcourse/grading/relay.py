@@ -1,6 +1,6 @@
 """One round of graded ranks, as the grader sees it: messages delivered, collectives computed.
 
-:class:`Relay` is the grader's half of every ``send``, ``recv`` and collective a
+:class:`MessageRelay` is the grader's half of every ``send``, ``recv`` and collective a
 rank issues (:mod:`dpcourse.grading.shim` is the rank's half). It keeps, per
 rank and in order, what the rank did and how many bytes it sent: the record the
 checks judge structure from. :class:`dpcourse.grading.world.World` reads the
@@ -53,17 +53,39 @@ def _reduce(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-class Relay:
+def allowed_ops(dist_api) -> set[str]:
+    """The operations the relay carries for an exercise whose graded code may use ``dist_api``.
+
+    What a rank asks for arrives here as an operation (``send``, ``recv`` or a
+    collective's name), whatever name the rank's code called it by: the allow-list
+    is applied to that, so a function reached another way (``type(dist).all_reduce``)
+    is refused all the same.
+    """
+    api = set(dist_api)
+    ops = api & {"all_reduce", "broadcast", "barrier", "all_gather_into_tensor",
+                 "reduce_scatter_tensor"}
+    if api & {"send", "isend", "batch_isend_irecv"}:
+        ops.add("send")
+    if api & {"recv", "irecv", "batch_isend_irecv"}:
+        ops.add("recv")
+    return ops
+
+
+class MessageRelay:
     """Deliver one round's messages and record, per rank, what it did, in order.
 
     Args:
         socks: the grader's end of each rank's socket.
         out: the round being recorded.
         stack: ``stack(rank)`` returns the rank's Python stack (for hang reports).
+        allowed: the operations this exercise's graded code may issue (:func:`allowed_ops`);
+            any other one fails the round, and nothing of it is computed or delivered.
+        why: what to say when a rank issues another one.
     """
 
-    def __init__(self, socks: list, out: Round, stack):
+    def __init__(self, socks: list, out: Round, stack, allowed=frozenset(), why: str = ""):
         self.socks, self.stack, self.out, self.ws = socks, stack, out, out.world_size
+        self.allowed, self.why = set(allowed), why
         self.mail = collections.defaultdict(collections.deque)   # (src, dst, tag) -> tensors
         self.recvs = [[] for _ in range(self.ws)]                 # pending (src, tag, id)
         self.coll_seq = [0] * self.ws
@@ -86,6 +108,12 @@ class Relay:
         kind = header.get("t")
         if rank >= self.ws:
             raise wire.ProtocolError("message from a rank outside the round")
+        op = str(header.get("op")) if kind == "coll" else kind
+        if kind in ("send", "recv", "coll") and op not in self.allowed:
+            self.out.failure = Failure(
+                "error", f"torch.distributed.{op} is not available to graded code in this "
+                f"exercise. {self.why}", rank, "AttributeError")
+            return
         if kind == "send":
             dst = int(header["dst"])
             if not 0 <= dst < self.ws or dst == rank or len(tensors) != 1:

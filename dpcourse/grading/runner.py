@@ -17,7 +17,7 @@ import secrets
 import tempfile
 import time
 
-from dpcourse.grading.checks import Exercise, Record, available_checks, get_spec
+from dpcourse.grading.checks import Exercise, CaseVerdict, available_checks, get_spec
 from dpcourse.grading.criteria import NO_DEADLOCK, NO_DELEGATION, NOT_IMPLEMENTED
 from dpcourse.grading.report import CheckResult, CriterionResult, show, strip_ansi
 from dpcourse.grading.submission import defined_names, extract, policy_findings, stub_message
@@ -41,7 +41,7 @@ STUB_HINT = ("Your code reached a part that is not written yet (the note above n
              "it, then grade again. The criteria are judged once the code runs through.")
 
 
-def _merge(spec: Exercise, names: dict, defined: set, records: list[Record],
+def _merge(spec: Exercise, names: dict, defined: set, records: list[CaseVerdict],
            failure: tuple[int | None, Failure] | None, findings: list[str]) -> list[CriterionResult]:
     results: dict[str, CriterionResult] = {}
     stopped = ""
@@ -141,7 +141,7 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
                                    spec.forbid_torch_ddp)
         stub = stub_message(cells, names["main"])
     present = {role: name for role, name in names.items() if name in defined}
-    records: list[Record] = []
+    records: list[CaseVerdict] = []
     failure = None
     if "main" not in present:
         failure = (None, Failure("error", f"your notebook defines no `{names['main']}` (a def or "
@@ -157,7 +157,8 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
         sizes = spec.world_sizes or (1,)
         setup = {"check": spec.name, "cells": cells, "names": present, "pickled": pickled}
         with World(max(sizes), setup, label=spec.name, sandbox=sandbox,
-                   shared_folder=spec.shared_folder) as world:
+                   shared_folder=spec.shared_folder, dist_api=spec.dist_api,
+                   dist_why=spec.dist_why) as world:
             why = world.wait_ready(STARTUP_TIMEOUT)
             if why is not None:
                 failure = (None, why)
@@ -181,6 +182,8 @@ def _sources_of(obj) -> list[tuple[str, str]]:
     import inspect
     import sys
 
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):  # e.g. a kernel kept as text
+        raise TypeError(f"{obj!r} travels by value")
     module = getattr(obj, "__module__", None)
     if module == "__main__":
         try:
@@ -199,7 +202,7 @@ def _sources_of(obj) -> list[tuple[str, str]]:
 
 
 def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
-          world_sizes=None, backend: str = "auto", **extras) -> CheckResult:
+          **extras) -> CheckResult:
     """Check the learner's ``obj`` on the grader's cases; show and return the report.
 
     The learner's quick self-check: the same cases, processes and verdicts as
@@ -212,8 +215,6 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         obj: the learner's function or class (defined with ``def``/``class``).
         timeout: seconds per round before the ranks count as hung (default: the check's).
         quiet: don't display the report (it is still returned).
-        world_sizes, backend: only for the checks that still run in-process (see
-            :mod:`dpcourse.grading.inprocess`); the others pick their own.
         **extras: the check's further definitions under other names, e.g.
             ``chunk_bounds=my_bounds``; by default the notebook's standard names are used.
 
@@ -222,7 +223,7 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         ``.points``); in Jupyter it renders as a table.
     """
     spec = get_spec(name)
-    roles = getattr(spec, "roles", {})
+    roles = spec.roles
     if os.environ.get(SKIP_ENV) == "1":
         # Inside `dpcourse grade`'s kernel: the grader runs this check itself, afterwards.
         result = CheckResult(spec.name, spec.exercise, spec.title, [], spec.points, 0.0,
@@ -230,34 +231,20 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         if not quiet:
             show(result)
         return result
-    if not isinstance(spec, Exercise):
-        from dpcourse.grading import inprocess_run
-
-        allowed = {c.requires for c in spec.criteria if c.requires}
-        if set(extras) - allowed:
-            raise TypeError(f"check({name!r}) got unexpected keyword(s) "
-                            f"{sorted(set(extras) - allowed)}; it accepts {sorted(allowed) or 'none'}.")
-        lack = spec.unavailable_here()
-        if lack:  # e.g. GPU kernels on a laptop: say so, neither pass nor fail
-            result = CheckResult.not_graded_here(spec, f"{lack}. Run this notebook on a machine "
-                                                 f"with {spec.needs} to have it checked.")
-            if not quiet:
-                show(result)
-            return result
-        result = inprocess_run.run_check(spec, obj, extras, world_sizes=world_sizes, timeout=timeout,
-                                     backend=backend)
+    lack = spec.unavailable_here()
+    if lack:  # e.g. GPU kernels on a laptop: say so, neither pass nor fail
+        result = CheckResult.not_graded_here(spec, f"{lack}. Run this notebook on a machine "
+                                             f"with {spec.needs} to have it checked.")
         if not quiet:
             show(result)
         return result
-    if world_sizes is not None:
-        extras["world_sizes"] = world_sizes  # refused below: the grader picks them
     unknown = set(extras) - (set(roles) - {"main"})
     if unknown:
         raise TypeError(f"check({name!r}) got unexpected keyword(s) {sorted(unknown)}; it accepts "
                         f"{sorted(set(roles) - {'main'}) or 'none'}.")
     names = dict(roles)
     for role, value in [("main", obj), *extras.items()]:
-        label = getattr(value, "__name__", "")
+        label = getattr(value, "__name__", "") or getattr(value, "name", "")  # or a kernel's
         if not label.isidentifier():
             raise ValueError(f"check({name!r}): {role} must be a function or class defined with "
                              f"def/class (got {value!r}).")

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from dpcourse.grading import procs, wire
-from dpcourse.grading.relay import Failure, Relay, Round
+from dpcourse.grading.relay import Failure, MessageRelay, Round, allowed_ops
 
 _KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT")
 
@@ -48,10 +48,13 @@ class World:
             scratch folder of its own), or ``None`` for plain processes (the learner's
             own ``check()``).
         shared_folder: also give every rank one folder in common, ``self.shared``.
+        dist_api, dist_why: the torch.distributed functions the exercise allows, and what
+            to say about another one: the relay refuses any other operation.
     """
 
     def __init__(self, size: int, setup: dict, label: str = "check", sandbox=None,
-                 shared_folder: bool = False):
+                 shared_folder: bool = False, dist_api=(), dist_why: str = ""):
+        self.allowed, self.why = allowed_ops(dist_api), dist_why
         self.tmp = tempfile.mkdtemp(prefix=f"dpcourse-{label}-")
         self.procs, self.socks, self.readers, self.logs = [], [], [], []
         self.sandboxed = sandbox is not None
@@ -148,7 +151,7 @@ class World:
             except OSError:
                 out.failure = self._died(rank)
                 return out
-        state = Relay(self.socks, out, self.stack)
+        state = MessageRelay(self.socks, out, self.stack, self.allowed, self.why)
         with contextlib.closing(self._arrivals(range(world_size), t0 + timeout)) as arrivals:
             for rank in arrivals:
                 got = self._read(rank, 1 << 20)

@@ -15,7 +15,7 @@ from dpcourse.grading.criteria import Criterion
 
 
 @dataclass
-class Record:
+class CaseVerdict:
     """One case of one criterion, as judged by the grader."""
 
     criterion: str
@@ -44,6 +44,8 @@ class Exercise:
             ``tempfile``'s folder. Otherwise ranks share nothing on disk.
         points: the check's maximum.
         notes: lines shown under every report.
+        needs: the hardware the check runs on, when it needs more than CPUs (e.g. "at least
+            2 NVLink-connected GPUs"); :meth:`unavailable_here` says when this machine lacks it.
     """
 
     name = ""
@@ -60,6 +62,15 @@ class Exercise:
     shared_folder = False
     points = 10.0
     notes: tuple[str, ...] = ()
+    needs = ""
+
+    def unavailable_here(self) -> str | None:
+        """Return what this machine lacks to run the check (a sentence), or ``None``.
+
+        Asked in the process that decides to run the check (the grader's, or the
+        notebook's for ``check(...)``), before any of the learner's code is loaded.
+        """
+        return None
 
     @property
     def roles(self) -> dict:
@@ -75,7 +86,7 @@ class Exercise:
         """Call the learner's definitions (``learner[role]``) on ``inputs``; return outputs."""
         raise NotImplementedError
 
-    def judge(self, world_size: int, inputs: list, outputs: list, events: list) -> list[Record]:
+    def judge(self, world_size: int, inputs: list, outputs: list, events: list) -> list[CaseVerdict]:
         """Compare every rank's ``outputs`` (and message ``events``) with the oracles."""
         raise NotImplementedError
 

@@ -16,7 +16,7 @@ import contextlib
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import Record, begin, events_of
+from dpcourse.grading.checks.base import CaseVerdict, begin, events_of
 from dpcourse.grading.criteria import Criterion, mismatch, tolerance
 
 IN, HIDDEN, MID, OUT = 8, 16, 12, 4
@@ -180,20 +180,20 @@ def judge_training(ws, inputs, outputs, events, grads_crit=C_AVERAGED.name, run=
     for r in range(ws):
         out = outputs[r]["runs"][run]
         bad = first_mismatch(names, out["init"], ref["init"], (0, 0))
-        recs.append(Record(C_BROADCAST.name, not bad, f"rank {r}, {bad}" if bad else ""))
+        recs.append(CaseVerdict(C_BROADCAST.name, not bad, f"rank {r}, {bad}" if bad else ""))
         bad = first_mismatch(names, out["grads"][0], ref["ddp"]["grads"][0], tol_ddp, ".grad")
         detail = f"rank {r}, step 0, {bad}" if bad else ""
         finished = [e for e in step_events(events[r], run, 0) if e.get("label") == "finish"]
         if bad and not finished:
             detail += (" — model.finish_gradient_synchronization() was never called in the step: "
                        "gradients left by the hooks were not waited for and averaged")
-        recs.append(Record(grads_crit, not bad, detail))
+        recs.append(CaseVerdict(grads_crit, not bad, detail))
         for step in range(STEPS):
             bad = first_mismatch(names, out["params"][step], ref["ddp"]["params"][step], tol_ddp)
-            recs.append(Record(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad}"
+            recs.append(CaseVerdict(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad}"
                                if bad else ""))
         bad = first_mismatch(names, out["params"][-1], ref["single"]["params"][-1], tol_one)
-        recs.append(Record(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, {bad}"
+        recs.append(CaseVerdict(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, {bad}"
                            if bad else ""))
     return recs
 
@@ -229,15 +229,15 @@ def index_lists(got) -> list | dict:
         return {"type": type(got).__name__}
 
 
-def not_index_lists(got, criterion: str, case: str) -> Record | None:
+def not_index_lists(got, criterion: str, case: str) -> CaseVerdict | None:
     """A failed record when the learner's buckets did not come back as lists, else ``None``."""
     if isinstance(got, list):
         return None
-    return Record(criterion, False, f"expected a list of lists of indices, got {got['type']}",
+    return CaseVerdict(criterion, False, f"expected a list of lists of indices, got {got['type']}",
                   case)
 
 
-def overlap_records(events: list, case: str) -> tuple[list[int], list[Record]]:
+def overlap_records(events: list, case: str) -> tuple[list[int], list[CaseVerdict]]:
     """Judge one step's all-reduces: their sizes in issue order, and whether they overlap.
 
     Returns:
@@ -248,7 +248,7 @@ def overlap_records(events: list, case: str) -> tuple[list[int], list[Record]]:
     order = [e for e in events if e["op"] in ("all_reduce", "wait", "mark")]
     colls = [k for k, e in enumerate(order) if e["op"] == "all_reduce"]
     marks = [k for k, e in enumerate(order) if e.get("label") == "first_layer_backward"]
-    recs = [Record("starts_during_backward", bool(colls and marks and colls[0] < marks[-1]),
+    recs = [CaseVerdict("starts_during_backward", bool(colls and marks and colls[0] < marks[-1]),
                    "no all-reduce was issued before backward reached the first layer", case)]
     waits = [k for k, e in enumerate(order) if e["op"] == "wait"]
     blocking = [k for k in colls if not order[k]["async_op"]]
@@ -258,5 +258,5 @@ def overlap_records(events: list, case: str) -> tuple[list[int], list[Record]]:
     elif colls and waits and waits[0] < colls[-1]:
         detail = ("a bucket was waited on before the next bucket was issued: the waits "
                   "serialise communication with backward")
-    recs.append(Record("no_serialising_wait", not detail, detail, case))
+    recs.append(CaseVerdict("no_serialising_wait", not detail, detail, case))
     return [order[k]["nbytes"] for k in colls], recs

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
@@ -119,22 +119,22 @@ class MeanGradient(Exercise):
             gots = [outputs[r]["cases"][k] for r in range(ws)]
             for r, got in enumerate(gots):
                 if not isinstance(got, torch.Tensor):
-                    recs.append(Record(case["crit"], False, f"rank {r} returned {got}, expected "
+                    recs.append(CaseVerdict(case["crit"], False, f"rank {r} returned {got}, expected "
                                        "a tensor", name))
                     continue
                 diff = mismatch(got, full, *TOL)
-                recs.append(Record(case["crit"], not diff, f"rank {r}: {diff}", name))
+                recs.append(CaseVerdict(case["crit"], not diff, f"rank {r}: {diff}", name))
             tensors = [g for g in gots if isinstance(g, torch.Tensor)]
             same = len(tensors) == ws and all(
                 g.shape == full.shape and torch.equal(g.nan_to_num(), tensors[0].nan_to_num())
                 for g in tensors)
-            recs.append(Record("same_on_every_rank", same, "the ranks returned different tensors "
+            recs.append(CaseVerdict("same_on_every_rank", same, "the ranks returned different tensors "
                                f"(the gradient has shape {tuple(full.shape)})", name))
         if outputs[0]["sizes"]:
             queries = [(n, w) for n in range(14) for w in range(1, 6)]
             bad = [(n, w, got) for (n, w), got in zip(queries, outputs[0]["sizes"])
                    if got != split_sizes(n, w)]
-            recs.append(Record("shard_sizes_like_tensor_split", not bad,
+            recs.append(CaseVerdict("shard_sizes_like_tensor_split", not bad,
                                f"shard_sizes({bad[0][0]}, {bad[0][1]}) gave {bad[0][2]}, expected "
                                f"{split_sizes(bad[0][0], bad[0][1])}" if bad else ""))
         return recs

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
 
@@ -116,19 +116,19 @@ class UnevenAllGather(Exercise):
                 got = outputs[r][k]["got"]
                 recs += self._compare(got, pieces, r, case["crit"], label)
                 changed = mismatch(outputs[r][k]["after"], pieces[r], 0, 0)
-                recs.append(Record("inputs_unchanged", not changed,
+                recs.append(CaseVerdict("inputs_unchanged", not changed,
                                    f"rank {r}'s tensor afterwards: {changed}", label))
         return recs
 
     @staticmethod
-    def _compare(got, pieces, rank, crit, label) -> list[Record]:
+    def _compare(got, pieces, rank, crit, label) -> list[CaseVerdict]:
         """Judge one rank's result, each failure under the criterion of its cause."""
         want, lengths = torch.cat(pieces), [len(p) for p in pieces]
         # a dtype case with the wrong elements fails for that reason, like any other case
         elements = "uneven_lengths" if crit == "keeps_dtype" else crit
 
         def fail(name, detail):
-            return [Record(name, False, f"rank {rank} {detail}", label)]
+            return [CaseVerdict(name, False, f"rank {rank} {detail}", label)]
 
         if not isinstance(got, torch.Tensor):
             return fail(elements, f"returned {got}, expected a tensor")
@@ -139,19 +139,19 @@ class UnevenAllGather(Exercise):
                 if len(got) == max(lengths) * len(pieces) else ""
             return fail(elements, f"returned {len(got)} elements{padded}, expected {len(want)}, "
                                   f"the sum of the ranks' lengths {lengths}")
-        dtype = Record("keeps_dtype", got.dtype == want.dtype, f"rank {rank} returned "
+        dtype = CaseVerdict("keeps_dtype", got.dtype == want.dtype, f"rank {rank} returned "
                        f"{str(got.dtype)[6:]} for {str(want.dtype)[6:]} pieces", label)
         g, w = got.double(), want.double()
         if torch.equal(g, w):
-            return [Record(elements, True, "", label), Record("rank_order", True, "", label),
+            return [CaseVerdict(elements, True, "", label), CaseVerdict("rank_order", True, "", label),
                     dtype]
         if sorted(g.tolist()) == sorted(w.tolist()):
-            return [Record(elements, True, "", label), dtype,
-                    Record("rank_order", False, f"rank {rank} holds every rank's elements, but "
+            return [CaseVerdict(elements, True, "", label), dtype,
+                    CaseVerdict("rank_order", False, f"rank {rank} holds every rank's elements, but "
                            f"not in rank order", label)]
         if want.dtype != torch.float32 and torch.equal(g, want.float().double()):
-            return [Record(elements, True, "", label), dtype,
-                    Record("keeps_dtype", False, f"rank {rank}'s values are the float32 "
+            return [CaseVerdict(elements, True, "", label), dtype,
+                    CaseVerdict("keeps_dtype", False, f"rank {rank}'s values are the float32 "
                            f"roundings of the {str(want.dtype)[6:]} pieces", label)]
         return fail(elements, f"holds other values: {mismatch(g, w, 0, 0)}")
 

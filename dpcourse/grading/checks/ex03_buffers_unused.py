@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
@@ -223,10 +223,10 @@ class BuffersUnused(Exercise):
                     if a is None or b is None:
                         detail = f"{n}.grad is {'None' if a is None else 'a tensor'}, torch " \
                                  f"DDP's is {'None' if b is None else 'a tensor'}"
-                        recs.append(Record(crit, a is None and b is None, detail, case))
+                        recs.append(CaseVerdict(crit, a is None and b is None, detail, case))
                     else:
                         diff = mismatch(a, b, *tol)
-                        recs.append(Record(crit, not diff, f"{n}.grad: {diff}", case))
+                        recs.append(CaseVerdict(crit, not diff, f"{n}.grad: {diff}", case))
                 recs.append(_same("matches_torch_ddp", names, mine["params"], want["params"],
                                   tol, case))
             frozen = [i for i, n in enumerate(names) if n.startswith("frozen")]
@@ -240,7 +240,7 @@ class BuffersUnused(Exercise):
         return d.explain(text)
 
 
-def _same(crit, names, got, want, tol, case) -> Record:
+def _same(crit, names, got, want, tol, case) -> CaseVerdict:
     bad = [(n, m) for n, a, b in zip(names, got, want) if (m := mismatch(a.double(), b.double(),
                                                                            *tol))]
-    return Record(crit, not bad, f"{bad[0][0]}: {bad[0][1]}" if bad else "", case)
+    return CaseVerdict(crit, not bad, f"{bad[0][0]}: {bad[0][1]}" if bad else "", case)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.checks.base import Exercise, CaseVerdict
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
@@ -37,7 +37,7 @@ class NaiveDDP(Exercise):
             for step in range(d.STEPS):
                 got = sorted(e["nbytes"] for e in d.step_events(events[r], 0, step)
                              if e["op"] == "all_reduce")
-                recs.append(Record("one_all_reduce_per_parameter", got == sizes,
+                recs.append(CaseVerdict("one_all_reduce_per_parameter", got == sizes,
                                    f"rank {r}, step {step}: all-reduces of {got} bytes, the "
                                    f"parameters have {sizes} bytes"))
         return recs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dpcourse.grading.checks.base import Exercise, Record, begin, events_of
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin, events_of
 from dpcourse.grading.criteria import (Criterion, mismatch, no_deadlock, no_delegation,
                                        tolerance)
 from dpcourse.grading.shim import P2P
@@ -132,25 +132,25 @@ class HalvingDoubling(Exercise):
             for r in range(ws):
                 got = outputs[r][k]
                 diff = mismatch(got["x"], want, rtol, atol)
-                recs.append(Record(crit, not diff, f"rank {r}: {diff}", name))
+                recs.append(CaseVerdict(crit, not diff, f"rank {r}: {diff}", name))
                 if want.numel() > 1:
-                    recs.append(Record("in_place", got["same"], "the tensor was replaced instead "
+                    recs.append(CaseVerdict("in_place", got["same"], "the tensor was replaced instead "
                                        "of updated in place", name))
                 if crit != MATCH:
                     continue  # rounds and bytes are judged where every message is non-empty
                 sends = [e for e in events_of(events[r], name) if e["op"] == "send"]
-                recs.append(Record("log_rounds", len(sends) <= round_limit(ws),
+                recs.append(CaseVerdict("log_rounds", len(sends) <= round_limit(ws),
                                    f"rank {r} sent {len(sends)} messages, at most "
                                    f"{round_limit(ws)} allowed on {ws} ranks", name))
                 sent = sum(e["nbytes"] for e in sends)
                 if largest_power_of_two(ws) == ws:
                     need = 2 * (ws - 1) * nbytes // ws
-                    recs.append(Record("bandwidth_power_of_two", sent == need,
+                    recs.append(CaseVerdict("bandwidth_power_of_two", sent == need,
                                        f"rank {r} sent {sent} bytes of a {nbytes}-byte tensor, "
                                        f"expected {need}", name))
                 else:
                     limit = byte_limit(ws, nbytes)
-                    recs.append(Record("bounded_bytes_other_sizes", sent <= limit,
+                    recs.append(CaseVerdict("bounded_bytes_other_sizes", sent <= limit,
                                        f"rank {r} sent {sent} bytes of a {nbytes}-byte tensor, "
                                        f"at most {limit:g} allowed", name))
         return recs

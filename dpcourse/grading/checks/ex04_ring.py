@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from dpcourse.grading.checks.base import Exercise, Record, begin, events_of
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin, events_of
 from dpcourse.grading.checks.hints import failed, follow_causes
 from dpcourse.grading.criteria import (Criterion, mismatch, no_deadlock, no_delegation,
                                        tolerance)
@@ -194,17 +194,17 @@ class RingAllReduce(Exercise):
                     diff = (f"rank {r} holds the sum but received only {received} bytes through "
                             f"torch.distributed; the other ranks' data takes at least "
                             f"{numel * elsize}: it came some other way")
-                    recs.append(Record("no_delegation", False, diff, name))
-                recs.append(Record(crit, not diff, f"rank {r}: {diff}" if diff else "", name))
+                    recs.append(CaseVerdict("no_delegation", False, diff, name))
+                recs.append(CaseVerdict(crit, not diff, f"rank {r}: {diff}" if diff else "", name))
                 if numel > 1 and want.dtype == torch.float32:
-                    recs.append(Record("in_place", got["same"],
+                    recs.append(CaseVerdict("in_place", got["same"],
                                        "the tensor was replaced or reshaped instead of updated "
                                        "in place", name))
                 recs.append(_neighbours(r, ws, mine, name))
                 if numel and numel % ws == 0:
                     sent = sum(e["nbytes"] for e in mine if e["op"] == "send")
                     need = oracles.ring_bytes(numel, ws, elsize)
-                    recs.append(Record("bandwidth_optimal", sent == need,
+                    recs.append(CaseVerdict("bandwidth_optimal", sent == need,
                                        f"rank {r} sent {sent} bytes, a ring sends {need}", name))
         self._judge_halves(ws, inputs, outputs, recs)
         for key, role in (("rs", "reduce_scatter"), ("ag", "all_gather")):
@@ -226,7 +226,7 @@ class RingAllReduce(Exercise):
             for r in range(ws):
                 lo, hi = oracles.chunk_bounds(total.numel(), ws, r)
                 diff = mismatch(outputs[r]["rs"][i][lo:hi], total[lo:hi], 1e-5, 1e-5)
-                recs.append(Record("reduce_scatter_owns_chunk_r", not diff,
+                recs.append(CaseVerdict("reduce_scatter_owns_chunk_r", not diff,
                                    f"rank {r}, chunk {r} of length {total.numel()}: {diff}",
                                    f"length {total.numel()}"))
         for i in range(len(outputs[0]["ag"])):
@@ -237,20 +237,20 @@ class RingAllReduce(Exercise):
                 final[lo:hi] = inputs[r]["ag"][i][lo:hi]
             for r in range(ws):
                 diff = mismatch(outputs[r]["ag"][i], final, 0, 0)
-                recs.append(Record("all_gather_copies_chunks", not diff, f"rank {r}: {diff}",
+                recs.append(CaseVerdict("all_gather_copies_chunks", not diff, f"rank {r}: {diff}",
                                    f"length {numel}"))
 
     @staticmethod
-    def _judge_bounds(queries, answers) -> Record:
+    def _judge_bounds(queries, answers) -> CaseVerdict:
         from dpcourse.grading import oracles
 
         for (numel, w, i), got in zip(queries, answers):
             want = list(oracles.chunk_bounds(numel, w, i))
             if got != want:
-                return Record("chunk_bounds_correct", False,
+                return CaseVerdict("chunk_bounds_correct", False,
                               f"chunk_bounds({numel}, {w}, {i}) gave {got}, expected {want}",
                               f"chunk_bounds({numel}, {w}, {i})")
-        return Record("chunk_bounds_correct", True)
+        return CaseVerdict("chunk_bounds_correct", True)
 
     def explain(self, text: str) -> str:
         found = re.search(r"received (\d+) (\w+) elements .* into a buffer of (\d+) (\w+) "
@@ -267,7 +267,7 @@ class RingAllReduce(Exercise):
         return ""
 
 
-def _neighbours(r: int, ws: int, mine: list, case: str) -> Record:
+def _neighbours(r: int, ws: int, mine: list, case: str) -> CaseVerdict:
     """Rank ``r`` sent only to its left neighbour and received only from its right one."""
     left, right = (r - 1) % ws, (r + 1) % ws
     stray = sorted({f"{e['op']} {'to' if e['op'] == 'send' else 'from'} rank {e['peer']}"
@@ -278,10 +278,10 @@ def _neighbours(r: int, ws: int, mine: list, case: str) -> Record:
     detail = f"rank {r}: {', '.join(stray)} (it sends to {left} and receives from {right})"
     if stray and rightward:
         detail += "; every message went the way lesson 04's ring turns"
-    return Record("ring_neighbours_only", not stray, detail, case)
+    return CaseVerdict("ring_neighbours_only", not stray, detail, case)
 
 
-def _cause(spec: Exercise, ws: int, rec: Record) -> str:
+def _cause(spec: Exercise, ws: int, rec: CaseVerdict) -> str:
     """The hint for the cause of a failing record of the ring check (see ``hints``)."""
     text = rec.detail
     if rec.criterion == "ring_neighbours_only" and "the way lesson 04's ring turns" in text:

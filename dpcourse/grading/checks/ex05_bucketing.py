@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, no_delegation
 
 MIB = d.MIB
@@ -81,14 +81,14 @@ class AssignBuckets(Exercise):
                 recs.append(wrong)
                 continue
             flat = [i for b in got for i in b]
-            recs.append(Record("reverse_order", flat == sorted(flat, reverse=True),
+            recs.append(CaseVerdict("reverse_order", flat == sorted(flat, reverse=True),
                                f"indices in the order {flat}", name))
-            recs.append(Record("covers_each_param_once", sorted(flat) == list(range(len(nbytes))),
+            recs.append(CaseVerdict("covers_each_param_once", sorted(flat) == list(range(len(nbytes))),
                                f"buckets hold {sorted(flat)}, parameters are "
                                f"0..{len(nbytes) - 1}", name))
             detail = f"got {got}, expected {want}"
             if got != want and got == oracles.buckets(nbytes, case["cap"], strict=True):
                 detail += (" (the bucket that reached exactly the cap stayed open: yours "
                            "close only above it)")
-            recs.append(Record(case["crit"], got == want, detail, name))
+            recs.append(CaseVerdict(case["crit"], got == want, detail, name))
         return recs

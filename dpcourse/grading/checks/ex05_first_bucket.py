@@ -13,7 +13,7 @@ the buckets a real torch DDP run all-reduces.
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, no_delegation
 
 MIB = d.MIB
@@ -89,19 +89,19 @@ class FirstBucket(Exercise):
                 continue
             flat = [i for b in got for i in b]
             expected_members = sorted(i for b in want for i in b)
-            recs.append(Record("frozen_left_out", sorted(flat) == expected_members,
+            recs.append(CaseVerdict("frozen_left_out", sorted(flat) == expected_members,
                                f"buckets hold {sorted(flat)}, the trainable parameters are "
                                f"{expected_members}", name))
-            recs.append(Record("matches_torch_rule", got == want, f"got {got}, expected {want}",
+            recs.append(CaseVerdict("matches_torch_rule", got == want, f"got {got}, expected {want}",
                                name))
             if case["frozen"]:
                 continue  # a frozen parameter in a bucket is its own mistake: caps judged elsewhere
-            recs.append(Record("first_bucket_small", bool(got) and got[0] == want[0],
+            recs.append(CaseVerdict("first_bucket_small", bool(got) and got[0] == want[0],
                                f"first bucket {got[0] if got else None}, expected {want[0]}",
                                name))
             if got and all(0 <= i < len(nbytes) for i in flat):  # the closing rule, your order
                 rest = close_by_caps(flat[len(got[0]):], nbytes, [case["cap"] * MIB])
-                recs.append(Record("later_buckets_use_cap", got[1:] == rest,
+                recs.append(CaseVerdict("later_buckets_use_cap", got[1:] == rest,
                                    f"after your first bucket {got[0]}: got {got[1:]}, expected "
                                    f"{rest}", name))
         return recs

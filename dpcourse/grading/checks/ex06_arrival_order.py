@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.checks.ex06_overlap import carried_over, mark_carried, reset_cause
 from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
@@ -129,17 +129,17 @@ class ArrivalOrderDDP(Exercise):
                 for step in range(d.STEPS):
                     bad = d.first_mismatch(names, run["params"][step], ref["ddp"]["params"][step],
                                            tol_ddp)
-                    recs.append(Record("matches_torch_ddp", not bad, f"after step {step}, {bad}"
+                    recs.append(CaseVerdict("matches_torch_ddp", not bad, f"after step {step}, {bad}"
                                        if bad else "", case))
                 bad = d.first_mismatch(names, run["params"][-1], ref["single"]["params"][-1],
                                        tol_one)
-                recs.append(Record("matches_single_process", not bad, bad, case))
+                recs.append(CaseVerdict("matches_single_process", not bad, bad, case))
                 sizes, mine = {}, []
                 for step in range(1, d.STEPS):
                     got, overlap = d.overlap_records(d.step_events(events[r], i, step),
                                                      f"{case}, step {step}")
                     sizes[step] = got
-                    mine.append(Record("buckets_follow_arrival", got == want, f"all-reduce "
+                    mine.append(CaseVerdict("buckets_follow_arrival", got == want, f"all-reduce "
                                        f"sizes in issue order {got} bytes, the arrival order's "
                                        f"buckets are {want}", f"{case}, step {step}"))
                     mine += overlap

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.checks.base import Exercise, CaseVerdict
 from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P
@@ -41,7 +41,7 @@ def mark_carried(recs: list, where: str, good: int, bad: int) -> None:
             rec.detail += note
 
 
-def reset_cause(rec: Record) -> str:
+def reset_cause(rec: CaseVerdict) -> str:
     """The reset hint for a record that :func:`mark_carried` marked."""
     return RESET_HINT if CARRIED in rec.detail else ""
 
@@ -115,9 +115,9 @@ class OverlappedDDP(Exercise):
     @staticmethod
     def _structure(events, want, case) -> tuple[list, list]:
         got, overlap = d.overlap_records(events, case)
-        return got, [Record("one_all_reduce_per_bucket", len(got) == len(want),
+        return got, [CaseVerdict("one_all_reduce_per_bucket", len(got) == len(want),
                             f"{len(got)} all-reduces, expected {len(want)} buckets", case),
-                     Record("buckets_in_reverse_order", got == want,
+                     CaseVerdict("buckets_in_reverse_order", got == want,
                             f"all-reduce sizes in issue order {got} bytes, expected {want}", case),
                      *overlap]
 

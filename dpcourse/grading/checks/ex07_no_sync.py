@@ -8,7 +8,7 @@ check (``token_weighted``).
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.checks.base import Exercise, CaseVerdict
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
@@ -63,9 +63,9 @@ class NoSync(Exercise):
                         inside.append(e)
                 detail = (f"rank {r}, step {step}: {len(inside)} all-reduce(s) inside no_sync"
                           if windows else f"rank {r}, step {step}: no_sync() was never entered")
-                recs.append(Record("no_collective_inside_no_sync", windows and not inside, detail))
+                recs.append(CaseVerdict("no_collective_inside_no_sync", windows and not inside, detail))
                 got = sum(e["nbytes"] for e in events_ if e["op"] == "all_reduce")
-                recs.append(Record("syncs_once_per_step", got == total, f"rank {r}, step {step}: "
+                recs.append(CaseVerdict("syncs_once_per_step", got == total, f"rank {r}, step {step}: "
                                    f"all-reduced {got} bytes of gradients, the model has {total}"))
         return recs
 

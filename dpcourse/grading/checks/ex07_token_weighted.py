@@ -26,7 +26,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, P2P, DistModule
 
@@ -213,11 +213,11 @@ class TokenWeighted(Exercise):
                     got, label = outputs[r][k][s], f"{case}, step {s}, rank {r}"
                     recs.append(self._zeroing(got, label))
                     recs += self._weights(got["weights"], case_sizes(case, r), ws, total, label)
-                    recs.append(Record("syncs_once_per_step", sorted(got["reduced"]) == numels,
+                    recs.append(CaseVerdict("syncs_once_per_step", sorted(got["reduced"]) == numels,
                                        f"all-reduced gradients of {sorted(got['reduced'])} "
                                        f"elements, the parameters have {numels}", label))
                     if got["at_step"] is None:
-                        recs.append(Record("matches_single_process", False,
+                        recs.append(CaseVerdict("matches_single_process", False,
                                            "optimizer.step() was not called", label))
                         continue
                     bad = [(n, "no gradient" if a is None else mismatch(a, b, *tol))
@@ -225,12 +225,12 @@ class TokenWeighted(Exercise):
                     bad += [(n, mismatch(a, b, *tol)) for n, a, b in zip(names, got["params"],
                                                                          params)]
                     bad = [x for x in bad if x[1]]
-                    recs.append(Record("matches_single_process", not bad,
+                    recs.append(CaseVerdict("matches_single_process", not bad,
                                        f"{bad[0][0]}: {bad[0][1]}" if bad else "", label))
         return recs
 
     @staticmethod
-    def _zeroing(got, label) -> Record:
+    def _zeroing(got, label) -> CaseVerdict:
         fresh, detail = got["fresh"], ""
         if fresh and not fresh[0]:
             detail = "the first backward of the step started with the previous step's gradients"
@@ -239,26 +239,26 @@ class TokenWeighted(Exercise):
                       "micro-batches' gradients were erased")
         elif got["at_step"] is not None and got["at_step"][1]:
             detail = "the gradients were empty at optimizer.step()"
-        return Record("zero_grad_once_per_step", not detail, detail, label)
+        return CaseVerdict("zero_grad_once_per_step", not detail, detail, label)
 
     @staticmethod
     def _weights(got, sizes, ws, total, label) -> list:
         if len(got) < len(sizes) or any(w is None for w in got[:len(sizes)]):
             detail = (f"{sum(w is not None for w in got)} losses from loss_fn reached a backward, "
                       f"for {len(sizes)} micro-batches")
-            return [Record(c, False, detail, label)
+            return [CaseVerdict(c, False, detail, label)
                     for c in ("weights_within_rank", "weights_across_ranks")]
         got = got[:len(sizes)]
         share = sum(got)
         rel = [w / share if share else math.nan for w in got]
         want_rel = [n / sum(sizes) for n in sizes]
         want_sum = ws * sum(sizes) / total
-        return [Record("weights_within_rank",
+        return [CaseVerdict("weights_within_rank",
                        all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(rel, want_rel)),
                        f"micro-batches of {sizes} rows: relative weights "
                        f"{[round(w, 4) for w in rel]}, expected {[round(w, 4) for w in want_rel]}",
                        label),
-                Record("weights_across_ranks", math.isclose(share, want_sum, rel_tol=1e-5),
+                CaseVerdict("weights_across_ranks", math.isclose(share, want_sum, rel_tol=1e-5),
                        f"{sum(sizes)} of {total} rows: its loss weights add up to {share:.4g}, "
                        f"expected {want_sum:.4g}", label)]
 

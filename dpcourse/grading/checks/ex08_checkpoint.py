@@ -28,7 +28,7 @@ import time
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P, DistModule
@@ -262,13 +262,13 @@ class CheckpointResume(Exercise):
                 detail = "rank 0 never called torch.save"
             elif not out["exists"]:
                 detail = f"rank {r}: save_checkpoint returned before the file existed"
-            recs.append(Record("rank_0_writes", not detail, detail))
+            recs.append(CaseVerdict("rank_0_writes", not detail, detail))
         if "loaded" not in outputs[0]:
             return recs
         want = uninterrupted(inputs)
         for r, out in enumerate(outputs):
             got = out["loaded"]
-            recs.append(Record("restores_model_and_optimizer", got["params"] and got["opt"],
+            recs.append(CaseVerdict("restores_model_and_optimizer", got["params"] and got["opt"],
                                f"rank {r}: " + ("parameters" if not got["params"] else
                                                 "the optimizer's state") +
                                " differ from those at saving time"))
@@ -277,14 +277,14 @@ class CheckpointResume(Exercise):
                       if epoch != saved_epoch else
                       f"rank {r}: load_checkpoint returned {got['step']!r}, saved at step "
                       f"{STOP[1]}" if got["step"] != STOP[1] else "")
-            recs.append(Record("restores_sampler_position", not detail, detail))
-            recs.append(Record("restores_each_ranks_rng", got["rng"],
+            recs.append(CaseVerdict("restores_sampler_position", not detail, detail))
+            recs.append(CaseVerdict("restores_each_ranks_rng", got["rng"],
                                _rng_detail(r, outputs)))
             bad = [k for k, v in want["losses"].items() if k[0] == r and not math.isclose(
                 out["losses"].get(f"{k[1]},{k[2]}", math.nan), v, rel_tol=TOL[0], abs_tol=TOL[1])]
             params_ok = all(torch.allclose(a, b, rtol=TOL[0], atol=TOL[1])
                             for a, b in zip(out["params"], want["params"]))
-            recs.append(Record("exact_resume", not bad and params_ok,
+            recs.append(CaseVerdict("exact_resume", not bad and params_ok,
                                f"rank {r}: loss at (epoch, step) {bad[0][1:]} is "
                                f"{out['losses'].get(f'{bad[0][1]},{bad[0][2]}')}, uninterrupted "
                                f"{want['losses'][bad[0]]}" if bad else
@@ -317,7 +317,7 @@ def _rng_detail(r: int, outputs: list) -> str:
     return head + f"it holds {_NO_RANKS}"
 
 
-def _cause(rec: Record) -> str:
+def _cause(rec: CaseVerdict) -> str:
     """The hint for the cause of a failing record (see ``hints``)."""
     if rec.criterion != "restores_each_ranks_rng":
         return ""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from dpcourse.grading.checks.base import Exercise, Record, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_delegation
 
@@ -154,11 +154,11 @@ class RingCost(Exercise):
         for (crit, nbytes, n, alpha, beta), got in zip(inputs[0]["time"], outputs[0]["time"]):
             want = oracles.ring_time(nbytes, n, alpha, beta)
             case = f"nbytes={nbytes:g}, N={n}, alpha={alpha:.3g}, beta={beta:.3g}"
-            recs.append(Record(crit, _close(got, want), f"got {got}, expected {want:.6g} s",
+            recs.append(CaseVerdict(crit, _close(got, want), f"got {got}, expected {want:.6g} s",
                                case))
         for (nbytes, n), got in zip(inputs[0]["bytes"], outputs[0]["bytes"]):
             want = oracles.ring_bytes_per_rank(nbytes, n)
-            recs.append(Record("bytes_per_rank", _close(got, want),
+            recs.append(CaseVerdict("bytes_per_rank", _close(got, want),
                                f"got {got}, expected {want:g}", f"nbytes={nbytes:g}, N={n}"))
         for (crit, nbytes, n, alpha, beta), got in zip(inputs[0]["hd"], outputs[0]["hd"]):
             want = halving_doubling_time(nbytes, n, alpha, beta)
@@ -167,7 +167,7 @@ class RingCost(Exercise):
                          if not _close(t, want) and _close(got, t)), None)
             if slip:
                 detail += f" ({_SLIP_NAMES[slip]})"
-            recs.append(Record(crit, _close(got, want), detail,
+            recs.append(CaseVerdict(crit, _close(got, want), detail,
                                f"nbytes={nbytes:g}, N={n}, alpha={alpha:.3g}, beta={beta:.3g}"))
         follow_causes(self, recs, _cause)
         return recs
@@ -179,7 +179,7 @@ _SLIP_NAMES = {"one_phase": "the time of the halving rounds alone",
                "no_handoff": "the time without the ranks that sit out"}
 
 
-def _cause(rec: Record) -> str:
+def _cause(rec: CaseVerdict) -> str:
     """The hint for the slip a failing record's detail names, if any."""
     for slip, name in _SLIP_NAMES.items():
         if f"({name})" in rec.detail:

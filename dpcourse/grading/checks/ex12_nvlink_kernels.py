@@ -1,16 +1,19 @@
-"""Check for exercise 12: the learner's one-shot and two-shot Triton kernels on NVLink.
+"""Exercise 12: the learner's one-shot and two-shot Triton kernels on NVLink.
 
 The learner's kernels (``@kernel`` from :mod:`dpcourse.comm.kernels.exercise`)
-travel to the ranks as source, are compiled there, and are launched by the
-package's host code on every GPU of the machine: world size 2, and 4 where
-present. Each must leave what ``dist.all_reduce`` leaves for many lengths
-(including non-multiples of the block and of the grid), in float32 and
-bfloat16, give every rank the same bits, and stay right over 1,000 calls
-back to back with inputs that change every call: a missing release/acquire or
-a buffer reused too early shows up there. A kernel that never returns (a
-block waiting for a flag no peer raises) is stopped and reported. Without at
-least 2 CUDA GPUs the check is skipped with a message saying so, and ``dpcourse
-grade`` marks the exercise "not graded on this machine" instead of running it.
+are source text. The graded rank hands them to GPU ranks it launches
+(:func:`dpcourse.run` over NCCL, world size 2, and 4 where the grader sees 4
+GPUs), where they are compiled and launched by the package's host code on
+inputs each rank makes from seeds the grader drew. The GPU ranks return what
+the kernels left at positions the grader picked (every element of the short
+tensors, a random sample and both ends of the long ones), after single calls
+and after sampled calls of a run of 1,000 back to back with inputs that change
+every call. The grader makes the same inputs itself and judges in its own
+process: the sum (exact for small integers, to a tolerance for normal values,
+float32 and bfloat16), the same bits on every rank, and every call right. A
+launch that does not finish (a block waiting for a flag no peer raises) is
+reported. Without 2 CUDA GPUs in the grader's view, the check is not graded on
+this machine and nothing is started.
 """
 
 from __future__ import annotations
@@ -19,22 +22,28 @@ from typing import NamedTuple
 
 import torch
 
-from dpcourse.grading.criteria import Criterion as GradingCriterion
-from dpcourse.grading.inprocess import CheckSpec
+from dpcourse.grading.checks.base import CaseVerdict, Exercise
+from dpcourse.grading.criteria import Criterion as GradingCriterion, no_deadlock, no_delegation
+
+FULL_LENGTHS = (4096, 8192, 65536)  # whole tiles (4096 float32 or 8192 bfloat16 elements)
+AWKWARD_LENGTHS = (1, 3, 17, 1000, 4095, 4097, 8191, 8193, 300_001,
+                   128 * 4096 * 2 + 3, 3 * 128 * 8192 + 7)  # the last two: blocks loop
+DTYPES = ("float32", "bfloat16")
+TOL = {"float32": 1e-5, "bfloat16": 6e-2}
+KINDS = ("one_shot", "two_shot")
+MIN_GPUS = 2
+NEEDS = f"at least {MIN_GPUS} NVLink-connected GPUs"
+SAMPLE, CALLS, SAMPLED_CALLS = 4096, 1000, 24
+FULL_BELOW = 70_000  # tensors up to this length come back whole
 
 
 class Criterion(NamedTuple):
-    """One thing the check verifies: a short name, what must hold, and the likely mistake."""
+    """One thing the check verifies of each kernel: a short name, what must hold, the mistake."""
 
     name: str
     description: str
     hint: str
 
-FULL_LENGTHS = (4096, 8192, 65536)  # whole tiles (4096 float32 or 8192 bfloat16 elements)
-AWKWARD_LENGTHS = (1, 3, 17, 1000, 4095, 4097, 8191, 8193, 300_001,
-                   128 * 4096 * 2 + 3, 3 * 128 * 8192 + 7)  # the last two: blocks loop
-DTYPES = (torch.float32, torch.bfloat16)
-TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-2}
 
 CRITERIA = (
     Criterion("matches_all_reduce", "sums like dist.all_reduce (float32 and bfloat16, lengths "
@@ -57,186 +66,74 @@ CRITERIA = (
 )
 
 
-def _inputs(case: int, rank: int, n: int, dtype, kind: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100_003 * case + rank)
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _lacking(gpus: int) -> str:
+    return (f"these kernels need at least {MIN_GPUS} CUDA GPUs that can reach each other's "
+            f"memory (NVLink); this machine has {gpus}")
+
+
+def make_input(seed: int, rank: int, n: int, dtype: str, kind: str) -> torch.Tensor:
+    """One rank's input of a case, made alike by the GPU ranks and by the grader (on CPU)."""
+    g = torch.Generator().manual_seed(seed * 8 + rank)
     if kind == "int":  # small integers: every order of addition is exact
-        return torch.randint(-8, 9, (n,), generator=g).to(dtype)
-    return torch.randn(n, generator=g).to(dtype)
+        return torch.randint(-8, 9, (n,), generator=g).to(getattr(torch, dtype))
+    return torch.randn(n, generator=g).to(getattr(torch, dtype))
 
 
-def _compare(fn, n, dtype, case) -> list[str]:
+def _cases(inputs: dict):
+    """``(criterion, n, dtype, input kind, seed)`` of every single-call case."""
+    for i, n in enumerate(FULL_LENGTHS + AWKWARD_LENGTHS):
+        crit = "matches_all_reduce" if n in FULL_LENGTHS else "awkward_lengths"
+        for j, dtype in enumerate(DTYPES):
+            for k, kind in enumerate(("int", "normal")):
+                yield crit, n, dtype, kind, inputs["seed"] + 4 * i + 2 * j + k
+
+
+def gpu_rank(kernels: dict, inputs: dict) -> dict:
+    """Run on every GPU rank: ``{kind: {"cases": [...], "calls": [...]}}``, values at the probes."""
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    problems = []
-    for kind in ("int", "normal"):
-        x = _inputs(case, rank, n, dtype, kind).to(dev)
-        ref = x.clone()
-        dist.all_reduce(ref)
-        got = x.clone()
-        fn(got)
-        every = [torch.empty_like(got) for _ in range(world)]
-        dist.all_gather(every, got)
-        name = f"{n} elements, {str(dtype).replace('torch.', '')}, {world} ranks"
-        if not all(torch.equal(every[0], e) for e in every):
-            problems.append(("ranks_agree", name))
-        bad = (not torch.equal(got, ref)) if kind == "int" else not torch.allclose(
-            got.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
-        if bad or not torch.isfinite(got.float()).all():
-            err = (got.float() - ref.float()).abs().max().item()
-            problems.append((None, f"{name}: max difference {err:.3g} from dist.all_reduce"))
-    return problems
-
-
-def _back_to_back(fn, calls: int) -> list[str]:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    problems = []
-    for n in (4097, 300_001):
-        for dtype in DTYPES:
-            base = _inputs(7, rank, n, dtype, "int").to(dev)
-            ref = base.clone()
-            dist.all_reduce(ref)
-            errors = torch.empty(calls, dtype=torch.float64, device=dev)
-            x = torch.empty_like(base)
-            for i in range(calls):  # no host synchronisation between calls
-                torch.add(base, i % 16, out=x)
-                fn(x)
-                errors[i] = (x.double() - ref.double() - world * (i % 16)).abs().max()
-            wrong = errors.nonzero().flatten().tolist()
-            if wrong:
-                problems.append(f"{n} elements, {str(dtype).replace('torch.', '')}: wrong in "
-                                f"{len(wrong)} of {calls} calls (first: {wrong[:5]})")
-    return problems
-
-
-def rank_check(kernels: dict, calls: int) -> dict:
-    """Run on every rank: ``{kind: {criterion: [problems]}}`` for the learner's kernels."""
     from dpcourse.comm.kernels import release_workspaces
     from dpcourse.comm.kernels.exercise import all_reduce_with
 
+    rank, dev = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     out = {}
     try:
-        for kind, learner in kernels.items():
-            fn = all_reduce_with(learner, kind)
-            found = {c.name: [] for c in CRITERIA}
-            for case, n in enumerate(FULL_LENGTHS + AWKWARD_LENGTHS):
-                crit = "matches_all_reduce" if n in FULL_LENGTHS else "awkward_lengths"
+        for name, learner in kernels.items():
+            fn, got = all_reduce_with(learner, name), {"cases": [], "calls": []}
+            for _, n, dtype, kind, seed in _cases(inputs):
+                x = make_input(seed, rank, n, dtype, kind).to(dev)
+                fn(x)
+                got["cases"].append(x[inputs["probes"][str(n)].to(dev)].cpu())
+            for n in (4097, 300_001):
                 for dtype in DTYPES:
-                    for which, msg in _compare(fn, n, dtype, case):
-                        found[which or crit].append(msg)
-            found["back_to_back"] = _back_to_back(fn, calls)
-            out[kind] = found
+                    base = make_input(inputs["seed"] - 1, rank, n, dtype, "int").to(dev)
+                    probe = inputs["probes"][str(n)].to(dev)
+                    kept = torch.empty(len(inputs["sampled"]), len(probe), dtype=base.dtype,
+                                       device=dev)
+                    x = torch.empty_like(base)
+                    slot = {i: j for j, i in enumerate(inputs["sampled"])}
+                    for i, offset in enumerate(inputs["offsets"]):  # no host sync between calls
+                        torch.add(base, offset, out=x)
+                        fn(x)
+                        if i in slot:
+                            kept[slot[i]] = x[probe]
+                    got["calls"].append(kept.cpu())
+            out[name] = got
         torch.cuda.synchronize()
     finally:
         release_workspaces()
     return out
 
 
-def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, world_sizes=None,
-                         calls: int = 1000, timeout: float = 600.0, quiet: bool = False) -> dict:
-    """Check the learner's kernels against ``dist.all_reduce`` on this machine's GPUs.
-
-    Args:
-        one_shot_kernel: the learner's one-shot kernel (decorated with ``@kernel``).
-        two_shot_kernel: the learner's two-shot kernel, if written.
-        world_sizes: ranks per launch (default 2, and 4 where 4 GPUs are present).
-        calls: back-to-back calls in the race test.
-        timeout: seconds per launch before the ranks count as hung.
-        quiet: don't print the report.
-
-    Returns:
-        ``{"skipped": bool, "message": str, "results": {kind: {criterion: passed}}}``.
-    """
-    import dpcourse
-    from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
-
-    gpus = _gpu_count()
-    if gpus < MIN_GPUS:
-        message = _skip_message(gpus, MIN_GPUS)
-        if not quiet:
-            print(message)
-        return {"skipped": True, "message": message, "results": {}}
-    kernels = {k: v for k, v in (("one_shot", one_shot_kernel), ("two_shot", two_shot_kernel))
-               if v is not None}
-    results, details = {}, []
-    for kind, learner in kernels.items():
-        if learner.is_stub():
-            results[kind] = {c.name: False for c in CRITERIA}
-            details.append(f"{kind}: not implemented yet")
-    pending = {k: v for k, v in kernels.items() if k not in results}
-    sizes = world_sizes or [w for w in (2, 4) if w <= gpus]
-    for ws in sizes:
-        if not pending:
-            break
-        try:
-            found = dpcourse.run(rank_check, pending, calls, world_size=ws, backend="nccl",
-                                 timeout=timeout)[0]
-        except RankTimeoutError:
-            for kind in pending:
-                results[kind] = {c.name: False for c in CRITERIA}
-            details.append(f"{ws} ranks: the kernels did not finish in {timeout:.0f} s "
-                           f"(a block waiting for a flag no peer raises?)")
-            break
-        except (RankError, RankDiedError) as err:
-            for kind in pending:
-                results[kind] = {c.name: False for c in CRITERIA}
-            lines = [ln for ln in str(err).splitlines() if ln.strip() and not ln.startswith("---")]
-            details.append(f"{ws} ranks: {lines[-1] if lines else type(err).__name__}")
-            break
-        for kind, problems in found.items():
-            prev = results.setdefault(kind, {c.name: True for c in CRITERIA})
-            for name, msgs in problems.items():
-                prev[name] = prev[name] and not msgs
-                details += [f"{kind}, {ws} ranks, {name}: {m}" for m in msgs[:3]]
-    report = {"skipped": False, "message": "; ".join(details), "results": results,
-              "world_sizes": sizes}
-    if not quiet:
-        _show(report)
-    return report
-
-
-def _show(report: dict) -> None:
-    from dpcourse.formatting import format_table
-
-    rows = []
-    for kind, res in report["results"].items():
-        for c in CRITERIA:
-            rows.append({"kernel": kind, "criterion": c.description,
-                         "result": "pass" if res[c.name] else "FAIL",
-                         "hint": "" if res[c.name] else c.hint})
-    print(f"exercise 12 on {report['world_sizes']} ranks")
-    print(format_table(rows))
-    for line in report["message"].split("; ") if report["message"] else []:
-        print("  " + line)
-
-
-def _gpu_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-MIN_GPUS = 2
-NEEDS = f"at least {MIN_GPUS} NVLink-connected GPUs"
-
-
-def _lacking(gpus: int, minimum: int) -> str:
-    return (f"these kernels need at least {minimum} CUDA GPUs that can reach each other's "
-            f"memory (NVLink); this machine has {gpus}")
-
-
-def _skip_message(gpus: int, minimum: int) -> str:
-    return (f"skipped: {_lacking(gpus, minimum)}. Run this notebook on a GPU machine to have "
-            "your kernels checked.")
-
-
-class NvlinkKernels(CheckSpec):
-    """``check("nvlink_kernels", one_shot_kernel, two_shot=two_shot_kernel)`` on this machine's GPUs."""
+class NvlinkKernels(Exercise):
+    """``one_shot_kernel`` and ``two_shot_kernel``, run on this machine's GPUs."""
 
     name, exercise, title = "nvlink_kernels", "12", "All-reduce kernels on NVLink"
-    in_rank = False  # check_nvlink_kernels starts the GPU ranks itself
+    defines = (("main", "one_shot_kernel"), ("two_shot", "two_shot_kernel"))
     timeout = 600.0
     needs = NEEDS
     # What the notebook's kernels are written with (the exercise's own module).
@@ -245,23 +142,113 @@ class NvlinkKernels(CheckSpec):
     criteria = tuple(
         GradingCriterion(f"{kind}_{c.name}", f"{kind.replace('_', '-')}: {c.description}",
                          c.hint, requires=None if kind == "one_shot" else "two_shot")
-        for kind in ("one_shot", "two_shot") for c in CRITERIA)
+        for kind in KINDS for c in CRITERIA) + (
+        no_delegation("one_shot_matches_all_reduce"), no_deadlock("one_shot_matches_all_reduce"))
     notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "
              "least 2 CUDA GPUs",)
 
     def unavailable_here(self) -> str | None:
         gpus = _gpu_count()
-        return _lacking(gpus, MIN_GPUS) if gpus < MIN_GPUS else None
+        return _lacking(gpus) if gpus < MIN_GPUS else None
 
-    def run(self, rec, learner, extras, reference):
-        if learner.is_stub():  # like every check: an exercise not started stops at once
-            raise NotImplementedError(f"{learner.name} is still the exercise's stub")
-        report = check_nvlink_kernels(learner, extras.get("two_shot"), quiet=True)
-        if report["skipped"]:  # whoever started this run found the GPUs: now they are gone
-            raise RuntimeError(report["message"])
-        for kind, results in report["results"].items():
-            for name, passed in results.items():
-                detail = "; ".join(m for m in report["message"].split("; ")
-                                   if m.startswith(f"{kind},") and f" {name}:" in m)
-                rec.record(f"{kind}_{name}", passed,
-                           detail or ("" if passed else report["message"]))
+    def make_inputs(self, rng, world_size):
+        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        probes = {}
+        for n in FULL_LENGTHS + AWKWARD_LENGTHS:
+            if n <= FULL_BELOW:
+                probes[str(n)] = torch.arange(n)
+            else:
+                picked = torch.randint(0, n, (SAMPLE,), generator=gen)
+                probes[str(n)] = torch.cat([torch.arange(8), picked, torch.arange(n - 8, n)])
+        sampled = sorted(set(torch.randperm(CALLS - 1, generator=gen)[:SAMPLED_CALLS - 1]
+                             .tolist()) | {CALLS - 1})
+        return [{"seed": rng.getrandbits(40) * 64 + 1, "probes": probes, "sampled": sampled,
+                 "offsets": torch.randint(0, 16, (CALLS,), generator=gen).tolist(),
+                 "world_sizes": [w for w in (2, 4) if w <= _gpu_count()]}]
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        import dpcourse
+        from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
+
+        kernels = {k: learner[r] for k, r in zip(KINDS, ("main", "two_shot")) if learner.get(r)}
+        for name, k in kernels.items():
+            if k.is_stub():
+                raise NotImplementedError(f"{k.name} is still the exercise's stub")
+        if _gpu_count() < MIN_GPUS:  # the grader saw the GPUs: now they are gone
+            raise RuntimeError(_lacking(_gpu_count()))
+        out = []
+        for ws in inputs.pop("world_sizes"):
+            try:
+                out.append({"ws": ws, "ranks": dpcourse.run(gpu_rank, kernels, inputs,
+                                                            world_size=ws, backend="nccl",
+                                                            timeout=500.0)})
+            except RankTimeoutError:
+                out.append({"ws": ws, "failed": "the kernels did not finish in 500 s (a block "
+                            "waiting for a flag no peer raises?)", "timeout": True})
+                break
+            except (RankError, RankDiedError) as err:
+                lines = [ln for ln in str(err).splitlines() if ln.strip() and "---" not in ln]
+                out.append({"ws": ws, "failed": lines[-1] if lines else type(err).__name__})
+                break
+        return out
+
+    def judge(self, ws, inputs, outputs, events):
+        (inputs,), (runs,) = inputs, outputs
+        recs = []
+        for run in runs:
+            ws = run["ws"]
+            if "failed" in run:
+                recs += [CaseVerdict(f"{kind}_{c.name}", False, f"{ws} ranks: {run['failed']}")
+                         for kind in KINDS for c in CRITERIA
+                         if c.name == "kernels_return" or not run.get("timeout")]
+                continue
+            recs += [CaseVerdict(f"{kind}_kernels_return", True) for kind in run["ranks"][0]]
+            for kind in run["ranks"][0]:
+                recs += _judge_kind(kind, ws, inputs, [r[kind] for r in run["ranks"]])
+        return recs
+
+
+def _sum_at(seed: int, ws: int, n: int, dtype: str, kind: str, probe) -> torch.Tensor:
+    return sum(make_input(seed, r, n, dtype, kind)[probe].double() for r in range(ws))
+
+
+def _judge_kind(kind: str, ws: int, inputs: dict, ranks: list) -> list[CaseVerdict]:
+    recs = []
+    for i, (crit, n, dtype, how, seed) in enumerate(_cases(inputs)):
+        case = f"{n} elements, {dtype}, {ws} ranks"
+        got = [r["cases"][i] for r in ranks]
+        recs.append(CaseVerdict(f"{kind}_ranks_agree", all(torch.equal(got[0], g) for g in got),
+                                f"{case}: the ranks' sums differ", case))
+        want = _sum_at(seed, ws, n, dtype, how, inputs["probes"][str(n)])
+        diff = (got[0].double() - want).abs()
+        bad = not torch.isfinite(diff).all() or (
+            diff.max() > 0 if how == "int" else (diff > TOL[dtype] * (1 + want.abs())).any())
+        recs.append(CaseVerdict(f"{kind}_{crit}", not bad, f"{case}: max difference "
+                                f"{diff.nan_to_num(float('inf')).max().item():.3g} from the sum",
+                                case))
+    j = 0
+    for n in (4097, 300_001):
+        for dtype in DTYPES:
+            want = _sum_at(inputs["seed"] - 1, ws, n, dtype, "int", inputs["probes"][str(n)])
+            got = ranks[0]["calls"][j]
+            j += 1
+            wrong = [i for row, i in zip(got, inputs["sampled"])
+                     if not torch.equal(row.double(), want + ws * inputs["offsets"][i])]
+            recs.append(CaseVerdict(f"{kind}_back_to_back", not wrong, f"{n} elements, {dtype}: "
+                                    f"wrong after call(s) {wrong[:5]} of {CALLS}"))
+    return recs
+
+
+def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, quiet: bool = False) -> dict:
+    """Run ``check("nvlink_kernels", ...)``; return ``{"skipped", "message", "results"}``.
+
+    ``results`` is ``{kind: {criterion: passed}}`` for each kernel given.
+    """
+    from dpcourse.grading.runner import check
+
+    extras = {"two_shot": two_shot_kernel} if two_shot_kernel is not None else {}
+    result = check("nvlink_kernels", one_shot_kernel, quiet=quiet, **extras)
+    return {"skipped": bool(result.not_graded), "message": result.not_graded or "",
+            "results": {kind: {c.name: result.criterion(f"{kind}_{c.name}").passed
+                               for c in CRITERIA} for kind in ("one_shot", *extras)}}

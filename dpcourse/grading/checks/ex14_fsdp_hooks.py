@@ -46,7 +46,7 @@ class FSDPHooks(Exercise):
                   "it is a view into its flat's gathered buffer and holds the full weight",
                   "When the unit's forward started, its weights were not the full weights, or "
                   "not views into its flats' full buffers. Before a unit computes, each of its "
-                  "flats is gathered from every rank's shard into the buffer that allocate "
+                  "flats is gathered from every rank's shard into the buffer that alloc_unsharded "
                   "hands out, and the module is pointed at views of it: through gathered for a "
                   "trainable flat (autograd's only path back to the shard), at the full buffer "
                   "itself for a frozen one. A copy instead of a view keeps memory that freeing "

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 
 from dpcourse.grading import oracles
-from dpcourse.grading.checks.base import Record, events_of
+from dpcourse.grading.checks.base import CaseVerdict, events_of
 from dpcourse.grading.checks.feedback_reducer import (DTYPE, PARAMS, SIZES, STEPS, TRACKING,
                                                       bucket_grads, layout, per_param)
 from dpcourse.grading.criteria import mismatch
 
 
-def judge(ws, inputs, outputs, events) -> list[Record]:
+def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     """Compare every rank's buckets, residuals and bytes sent with the references."""
     recs, label = [], f"world size {ws}"
     # each step's gradients laid out as that step's buckets (rebuilt after the first step)
@@ -31,7 +31,7 @@ def judge(ws, inputs, outputs, events) -> list[Record]:
         want = oracles.compress_hook([grads[r][0][i] for r in range(ws)], DTYPE)
         bad = [(r, m) for r in range(ws) if (m := mismatch(steps[r][0]["results"][i], want,
                                                            0, 0))]
-        recs.append(Record("first_step_is_torchs_hook", not bad, f"rank {bad[0][0]}, bucket "
+        recs.append(CaseVerdict("first_step_is_torchs_hook", not bad, f"rank {bad[0][0]}, bucket "
                            f"of {n}: {bad[0][1]}" if bad else "", label))
     for r in range(ws):
         for s in range(STEPS):
@@ -44,14 +44,14 @@ def judge(ws, inputs, outputs, events) -> list[Record]:
     return recs
 
 
-def _bytes(events, s, where) -> Record:
+def _bytes(events, s, where) -> CaseVerdict:
     got = sorted(e["nbytes"] for e in events_of(events, f"step {s}") if e["op"] == "all_reduce")
     want = sorted(2 * n for n in SIZES)
-    return Record("sends_bf16", got == want, f"all-reduced {got} bytes, expected {want} "
+    return CaseVerdict("sends_bf16", got == want, f"all-reduced {got} bytes, expected {want} "
                   "(one bfloat16 all-reduce per bucket)", where)
 
 
-def _step(ws, grads, steps, s, i, where) -> list[Record]:
+def _step(ws, grads, steps, s, i, where) -> list[CaseVerdict]:
     n, recs = SIZES[i], []
     for r in range(ws):
         here = f"{where}, rank {r}"
@@ -67,7 +67,7 @@ def _step(ws, grads, steps, s, i, where) -> list[Record]:
         if len(mine) != 1:
             detail = (f"{len(got['sent'][i])} all-reduce(s) during the hook, "
                       f"{len(mine)} of the bucket's size; expected exactly one")
-            recs += [Record(c, False, detail, here) for c in
+            recs += [CaseVerdict(c, False, detail, here) for c in
                      ("compresses_corrected_gradient", "residual_is_what_was_lost")]
             continue
         sent, g = mine[0], grads[r][s][i]
@@ -80,12 +80,12 @@ def _step(ws, grads, steps, s, i, where) -> list[Record]:
             total += x[0]
         bad = [(r, m) for r in range(ws)
                if (m := mismatch(steps[r][s]["results"][i], total.float(), 0, 0))]
-        recs.append(Record("returns_reduced", not bad, f"rank {bad[0][0]}: {bad[0][1]}"
+        recs.append(CaseVerdict("returns_reduced", not bad, f"rank {bad[0][0]}: {bad[0][1]}"
                            if bad else "", where))
     return recs
 
 
-def _residual_kept(res, kind, n, where) -> Record:
+def _residual_kept(res, kind, n, where) -> CaseVerdict:
     if res is None:
         detail = (f"state[bucket.index()] holds {kind} after the step, not a tensor"
                   if kind != "NoneType" else "nothing stored in state[bucket.index()]")
@@ -95,7 +95,7 @@ def _residual_kept(res, kind, n, where) -> Record:
         detail = f"the residual has {res.numel()} elements, the bucket {n}"
     else:
         detail = ""
-    return Record("keeps_residual", not detail, detail, where)
+    return CaseVerdict("keeps_residual", not detail, detail, where)
 
 
 REBUILT_DETAIL = ("the previous residual was added where it lay before the buckets were rebuilt: "
@@ -112,15 +112,15 @@ def _moved(old, i, s):
     return torch.cat([parts[p] for p in after])
 
 
-def _compressed(sent, g, old, positional, ws, where) -> Record:
+def _compressed(sent, g, old, positional, ws, where) -> CaseVerdict:
     def compress(x):
         return x.to(DTYPE).div_(ws)
 
     if sent.dtype != DTYPE:
-        return Record("compresses_corrected_gradient", False, f"sent "
+        return CaseVerdict("compresses_corrected_gradient", False, f"sent "
                       f"{str(sent.dtype).replace('torch.', '')}, not bfloat16", where)
     if torch.equal(sent, compress(g + old)):
-        return Record("compresses_corrected_gradient", True, "", where)
+        return CaseVerdict("compresses_corrected_gradient", True, "", where)
     detail = mismatch(sent.float(), compress(g + old).float(), 0, 0)
     if not torch.equal(positional, old) and torch.equal(sent, compress(g + positional)):
         detail = REBUILT_DETAIL
@@ -133,19 +133,19 @@ def _compressed(sent, g, old, positional, ws, where) -> Record:
                   "then divides in bfloat16")
     elif torch.equal(sent, (g + old).to(DTYPE)):
         detail = "not divided by the world size before the all-reduce"
-    return Record("compresses_corrected_gradient", False, detail, where)
+    return CaseVerdict("compresses_corrected_gradient", False, detail, where)
 
 
-def _lost(sent, res, g, old, positional, ws, where) -> Record:
+def _lost(sent, res, g, old, positional, ws, where) -> CaseVerdict:
     if res is None or res.numel() != g.numel():
-        return Record("residual_is_what_was_lost", False, "no residual of the bucket's size "
+        return CaseVerdict("residual_is_what_was_lost", False, "no residual of the bucket's size "
                       "to compare", where)
     corrected = g + old
     want = corrected - sent.float() * ws
     # float32 rounding of the two operations above, relative to the bucket's scale
     tol = 4 * torch.finfo(torch.float32).eps * float(corrected.abs().max())
     if mismatch(res.float(), want, 0, tol) == "":
-        return Record("residual_is_what_was_lost", True, "", where)
+        return CaseVerdict("residual_is_what_was_lost", True, "", where)
     detail = mismatch(res.float(), want, 0, tol)
     if not torch.equal(positional, old) and \
             mismatch(res.float(), g + positional - sent.float() * ws, 0, tol) == "":
@@ -161,10 +161,10 @@ def _lost(sent, res, g, old, positional, ws, where) -> Record:
     elif res.dtype != torch.float32 or \
             mismatch(res.float(), want.to(res.dtype).float(), 0, tol) == "":
         detail = f"the residual was rounded to {str(res.dtype).replace('torch.', '')}: {detail}"
-    return Record("residual_is_what_was_lost", False, detail, where)
+    return CaseVerdict("residual_is_what_was_lost", False, detail, where)
 
 
-def _tracking(ws, grads, steps, label) -> Record:
+def _tracking(ws, grads, steps, label) -> CaseVerdict:
     """Drift of the summed contributions, and (reported only) of the applied updates.
 
     Feedback bounds each rank's drift by its last residual; the bf16 sum inside the
@@ -181,7 +181,7 @@ def _tracking(ws, grads, steps, label) -> Record:
             sent = [[t for t in x if t.numel() == n] for x, n in
                     zip(steps[r][s]["sent"], SIZES)]
             if any(len(x) != 1 for x in sent):
-                return Record("tracks_uncompressed", False, "not one all-reduce of the "
+                return CaseVerdict("tracks_uncompressed", False, "not one all-reduce of the "
                               "bucket's size per bucket and step", label)
             mine += _flat([x[0] for x in sent], s).double() * ws - g
             theirs += _flat(grads[r][s], s).to(DTYPE).div_(ws).double() * ws - g
@@ -192,7 +192,7 @@ def _tracking(ws, grads, steps, label) -> Record:
         applied += _flat(steps[0][s]["results"], s).double()
         applied_plain += oracles.compress_hook(per_rank, DTYPE).double()
     ours, theirs = float(torch.cat(drift).norm()), float(torch.cat(plain).norm())
-    return Record("tracks_uncompressed", ours <= TRACKING * theirs,
+    return CaseVerdict("tracks_uncompressed", ours <= TRACKING * theirs,
                   f"after {STEPS} steps, |sum of transmitted - sum of gradients| over the "
                   f"ranks: {ours:.3g} with your hook, {theirs:.3g} with torch's hook (ratio "
                   f"{ours / theirs:.2f}, must be <= {TRACKING:g}); the applied updates drift "

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpcourse.grading import oracles
-from dpcourse.grading.checks.base import Record, events_of
+from dpcourse.grading.checks.base import CaseVerdict, events_of
 from dpcourse.grading.checks.fsdp_watch import RUNS, STEPS, TOL, UNITS, layout, make_model
 from dpcourse.grading.criteria import mismatch, tolerance
 
@@ -75,7 +75,7 @@ def compare_collectives(got: list, groups: list) -> str:
     return ""
 
 
-def judge(ws, inputs, outputs, events) -> list[Record]:
+def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     """Compare every rank's outputs and collectives with one process and FSDP; one world size."""
     recs = []
     for run in range(len(RUNS)):
@@ -92,7 +92,7 @@ def judge(ws, inputs, outputs, events) -> list[Record]:
                 break
             bad = next((f"{n}: {m}" for n, t in full.items()
                         if (m := mismatch(t, ref["after"][step][n], *TOL))), "")
-            recs.append(Record("matches_single_process", not bad, bad,
+            recs.append(CaseVerdict("matches_single_process", not bad, bad,
                                f"{RUNS[run][0]}, world size {ws}, after step {step}"))
     return recs
 
@@ -106,7 +106,7 @@ def _judge_rank(ws, r, run, held, ref, out, events) -> list:
     construction = [e for e in events_of(events, f"{name}: construction")
                     if e["op"] not in ("mark", "wait")]
     if construction:
-        recs.append(Record("collectives_as_fsdp", False, f"rank {r}: UnitHooks(...) issued "
+        recs.append(CaseVerdict("collectives_as_fsdp", False, f"rank {r}: UnitHooks(...) issued "
                            f"{construction[0]['op']} at construction; nothing is gathered "
                            "before the first forward", name))
     for step, rec in enumerate(out["steps"]):
@@ -116,35 +116,35 @@ def _judge_rank(ws, r, run, held, ref, out, events) -> list:
             recs += _backward(rec, units, held[step], label)
         last = step == len(out["steps"]) - 1
         if last and out["stopped"]:
-            recs.append(Record(out["stopped_criterion"], False, out["stopped"], label))
+            recs.append(CaseVerdict(out["stopped_criterion"], False, out["stopped"], label))
         for phase in ("forward", "backward"):
             got = [(e["op"], e["nbytes"]) for e in events_of(
                 events, f"{name}, step {step}: {phase}") if e["op"] not in ("mark", "wait")]
             if phase == "backward" and "after_backward" not in rec:
                 # The step was stopped before its backward collectives: no evidence, no credit.
-                recs.append(Record("collectives_as_fsdp", False, "backward: not checked, the "
+                recs.append(CaseVerdict("collectives_as_fsdp", False, "backward: not checked, the "
                                    "step stopped before its collectives ran", label))
                 continue
             why = compare_collectives(got, expected[phase])
-            recs.append(Record("collectives_as_fsdp", not why, f"{phase}: {why}", label))
+            recs.append(CaseVerdict("collectives_as_fsdp", not why, f"{phase}: {why}", label))
         later = [e for e in events_of(events, f"{name}, step {step}: optimizer step")
                  if e["op"] not in ("mark", "wait")]
         if later:
-            recs.append(Record("collectives_as_fsdp", False, f"{later[0]['op']} after "
+            recs.append(CaseVerdict("collectives_as_fsdp", False, f"{later[0]['op']} after "
                                "backward had returned", label))
         if "grads" not in rec:
             continue
         for (names, _, k), g in zip(flats, rec["grads"]):
             if not k:
-                recs.append(Record("reduce_scatters_gradients", g is None, "the frozen "
+                recs.append(CaseVerdict("reduce_scatters_gradients", g is None, "the frozen "
                                    "flat's shard has a gradient", label))
                 continue
             want = oracles.flat_shard([ref["grads"][step][n] for n in names], ws, r)
             bad = "no gradient" if g is None else mismatch(g, want, *tol_g)
-            recs.append(Record("reduce_scatters_gradients", not bad,
+            recs.append(CaseVerdict("reduce_scatters_gradients", not bad,
                                f"{names[0].split('.')[0]}'s shard .grad: {bad}", label))
     if out["stopped"]:
-        recs.append(Record("matches_single_process", False,
+        recs.append(CaseVerdict("matches_single_process", False,
                            f"rank {r}: training stopped in step {len(out['steps']) - 1}"
                            f": {out['stopped']}", name))
     return recs
@@ -169,10 +169,10 @@ def _forward(log, units, before, label) -> list:
                         detail = f"{n} at the start of the forward: {bad}"
                     if detail:
                         break
-            recs.append(Record("gathers_before_forward", not detail, detail, label))
+            recs.append(CaseVerdict("gathers_before_forward", not detail, detail, label))
         elif e["at"] == "forward_end":
             kept = [f"'{UNITS[j]}'" for j, a in enumerate(e["allocated"]) if any(a)]
-            recs.append(Record("frees_after_forward", not kept, f"when unit '{unit}' "
+            recs.append(CaseVerdict("frees_after_forward", not kept, f"when unit '{unit}' "
                                f"ended its forward, unit(s) {', '.join(kept)} still held "
                                "gathered weights", label))
     return recs
@@ -193,16 +193,16 @@ def _backward(rec, units, before, label) -> list:
                 if (bad := mismatch(w["value"], before[n], *TOL)):
                     detail = f"{n} at the start of the backward: {bad}"
                     break
-        recs.append(Record("gathers_before_backward", not detail, detail, label))
+        recs.append(CaseVerdict("gathers_before_backward", not detail, detail, label))
         kept = [f"'{UNITS[j]}'" for j in range(k + 1, len(UNITS))
                 if any(a and t for a, (_, _, t) in zip(e["allocated"][j], units[j]))]
-        recs.append(Record("frees_after_backward", not kept, f"when unit '{UNITS[k]}' "
+        recs.append(CaseVerdict("frees_after_backward", not kept, f"when unit '{UNITS[k]}' "
                            f"started its backward, unit(s) {', '.join(kept)} still held "
                            "gathered trainable weights", label))
     if "after_backward" in rec:
         kept = [f"'{UNITS[j]}'" for j, a in enumerate(rec["after_backward"])
                 if any(x and t for x, (_, _, t) in zip(a, units[j]))]
-        recs.append(Record("frees_after_backward", not kept, "when backward returned, "
+        recs.append(CaseVerdict("frees_after_backward", not kept, "when backward returned, "
                            f"unit(s) {', '.join(kept)} still held gathered trainable "
                            "weights", label))
     return recs

@@ -74,7 +74,7 @@ class Watch:
             unit.register_forward_hook(lambda m, a, out, k=k: self._forward_end(k, out))
 
     def allocated(self) -> list[list[bool]]:
-        return [[f.allocated for f in self.flats[u]] for u in UNITS]
+        return [[f.is_unsharded for f in self.flats[u]] for u in UNITS]
 
     def _weights(self, k: int, moment: str) -> list:
         """The tensors unit ``k`` computes with; stop if one holds no memory."""
@@ -90,7 +90,7 @@ class Watch:
                             f"view of shape {tuple(shape)}")
                     self.stop(f"when unit '{UNITS[k]}' started its {moment}, "
                               f"{UNITS[k]}.{name} {what}", f"gathers_before_{moment}")
-                same = f.allocated and t.untyped_storage().data_ptr() == \
+                same = f.is_unsharded and t.untyped_storage().data_ptr() == \
                     f.full.untyped_storage().data_ptr()
                 out.append({"value": t.detach().clone(), "view_of_full": bool(same)})
         return out
@@ -155,7 +155,7 @@ def train(link, cls, inputs: dict, run: int) -> dict:
         begin(link, f"{name}, step {step}: optimizer step")
         rec["after_backward"] = watch.allocated()
         for f in shards:  # the loop's end of backward: frozen flats are freed here
-            f.free()
+            f.reshard()
         if any(f.shard.grad is not None and not _readable(f.shard.grad) for f in shards):
             out["stopped"] = "a shard's .grad holds no memory (a view of a buffer that was freed)"
             out["stopped_criterion"] = "reduce_scatters_gradients"

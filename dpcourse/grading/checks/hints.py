@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from dpcourse.grading.checks.base import Exercise, Record
+from dpcourse.grading.checks.base import Exercise, CaseVerdict
 
 
-def follow_causes(spec: Exercise, records: list[Record],
-                  choose: Callable[[Record], str]) -> None:
+def follow_causes(spec: Exercise, records: list[CaseVerdict],
+                  choose: Callable[[CaseVerdict], str]) -> None:
     """Give each criterion the hint ``choose`` returns for its first failing record.
 
     Call it from ``judge`` with the records of each round, in order: the first

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import Record, events_of
+from dpcourse.grading.checks.base import CaseVerdict, events_of
 from dpcourse.grading.checks.join_rank import CASES, LR, make_model
 from dpcourse.grading.criteria import mismatch, tolerance
 
@@ -54,7 +54,7 @@ def join_reference(seed0: int, batches: list, divide_by_initial_world_size: bool
     return out
 
 
-def judge(ws, inputs, outputs, events) -> list[Record]:
+def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     """Compare every rank's outputs and collectives with torch DDP + ``Join``'s; one world size."""
     recs = []
     names = [n for n, _ in make_model(0).named_parameters()]
@@ -75,22 +75,22 @@ def judge(ws, inputs, outputs, events) -> list[Record]:
             recs.append(_agree(got, outputs, k, counts, r, label))
             bad = [(n, m) for n, a, b in zip(names, got["params"], ref["params"])
                    if (m := mismatch(a, b, *tol))]
-            recs.append(Record("matches_torch_join", not bad, f"rank {r}, {bad[0][0]}: "
+            recs.append(CaseVerdict("matches_torch_join", not bad, f"rank {r}, {bad[0][0]}: "
                                f"{bad[0][1]}" if bad else "", label))
     return recs
 
 
-def _interface(got, r, label) -> Record:
+def _interface(got, r, label) -> CaseVerdict:
     detail = ("join_hook returned an object without main_hook and post_hook"
               if not got["hook_ok"] else
               f"join_device is {got['device']}, the parameters are on cpu"
               if got["device"] != "cpu" else
               "join_process_group is not dist.group.WORLD" if not got["group_ok"] else "")
-    return Record("join_interface", not detail, f"rank {r}: {detail}" if detail else "",
+    return CaseVerdict("join_interface", not detail, f"rank {r}: {detail}" if detail else "",
                   label)
 
 
-def _shadow(mine, counts, r, case, label, events) -> Record:
+def _shadow(mine, counts, r, case, label, events) -> CaseVerdict:
     """Compare the all-reduces of each main_hook call with a rank-with-data's same step."""
     def sizes_between(evs, start, end):
         out, inside = [], []
@@ -108,7 +108,7 @@ def _shadow(mine, counts, r, case, label, events) -> Record:
     shadows = sizes_between(training, "main_hook", "main_hook_end")
     last = max(counts)
     if len(shadows) != last - counts[r]:
-        return Record("shadows_each_step", False, f"rank {r} ran out of data after "
+        return CaseVerdict("shadows_each_step", False, f"rank {r} ran out of data after "
                       f"{counts[r]} step(s) of {last}; Join called main_hook "
                       f"{len(shadows)} time(s)", label)
     longest = counts.index(last)
@@ -117,16 +117,16 @@ def _shadow(mine, counts, r, case, label, events) -> Record:
     for i, got in enumerate(shadows):
         want = theirs[counts[r] + i]
         if got != want:
-            return Record("shadows_each_step", False, f"rank {r}, step {counts[r] + i}: "
+            return CaseVerdict("shadows_each_step", False, f"rank {r}, step {counts[r] + i}: "
                           f"main_hook issued {_describe(got)}; rank {longest}, which had "
                           f"data, issued {_describe(want)} to synchronise its gradients",
                           label)
-    return Record("shadows_each_step", True, "", label)
+    return CaseVerdict("shadows_each_step", True, "", label)
 
 
-def _grads(crit, got, ref, other, trainable, counts, r, ws, divide, tol, label) -> Record:
+def _grads(crit, got, ref, other, trainable, counts, r, ws, divide, tol, label) -> CaseVerdict:
     if len(got["grads"]) != counts[r]:
-        return Record(crit, False, f"rank {r} trained {len(got['grads'])} step(s), "
+        return CaseVerdict(crit, False, f"rank {r} trained {len(got['grads'])} step(s), "
                       f"expected {counts[r]}", label)
     for step, (mine, want, alt) in enumerate(zip(got["grads"], ref["grads"],
                                                 other["grads"])):
@@ -142,16 +142,16 @@ def _grads(crit, got, ref, other, trainable, counts, r, ws, divide, tol, label) 
             detail += (f" — this is the sum divided by {active if divide else ws}; with "
                        f"divide_by_initial_world_size={divide} torch divides by "
                        f"{ws if divide else active}")
-        return Record(crit, False, detail, label)
-    return Record(crit, True, "", label)
+        return CaseVerdict(crit, False, detail, label)
+    return CaseVerdict(crit, True, "", label)
 
 
-def _agree(got, outputs, k, counts, r, label) -> Record:
+def _agree(got, outputs, k, counts, r, label) -> CaseVerdict:
     """Every rank ends with the parameters a last joiner had before the post-hooks ran."""
     last = [q for q, c in enumerate(counts) if c == max(counts)]
     sources = [outputs[q][k]["last_own"] for q in last]
     if any(all(torch.equal(a, b) for a, b in zip(got["params"], src)) for src in sources):
-        return Record("ranks_agree_at_exit", True, "", label)
+        return CaseVerdict("ranks_agree_at_exit", True, "", label)
     if r not in last and all(torch.equal(a, b) for a, b in zip(got["params"],
                                                                 got["last_own"])):
         detail = (f"rank {r} ran out of data after {counts[r]} of {max(counts)} steps and "
@@ -162,7 +162,7 @@ def _agree(got, outputs, k, counts, r, label) -> Record:
     else:
         detail = (f"rank {r} holds parameters that no rank that joined last (rank(s) "
                   f"{', '.join(map(str, last))}) had at the end of training")
-    return Record("ranks_agree_at_exit", False, detail, label)
+    return CaseVerdict("ranks_agree_at_exit", False, detail, label)
 
 
 def _describe(ops: list) -> str:
