@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 import dpcourse
+from dpcourse.comm import chunk_size, shard_range
 from dpcourse.comm.kernels import one_shot_all_reduce, two_shot_all_reduce
-from dpcourse.comm.kernels.schedule import (block_tiles, grid_size, one_shot_plan, slice_len,
-                                            two_shot_plan)
+from dpcourse.comm.kernels.schedule import block_tiles, grid_size, one_shot_plan, two_shot_plan
 from dpcourse.comm.kernels.simulation import simulate
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -126,10 +126,10 @@ def test_two_shot_plan_reduces_every_element_once(numel, world):
                      for i in s.index)
     assert reduced == list(range(numel)), "each element is summed by exactly one rank"
     for (rank, _), steps in plan.items():
-        length = slice_len(numel, world)
+        start, end = shard_range(numel, world, rank)
         for s in steps:
             if s.op == "reduce":  # a rank reduces only its own slice
-                assert all(rank * length <= i < (rank + 1) * length for i in s.index)
+                assert all(start <= i < end for i in s.index)
 
 
 def test_one_shot_plan_and_grid():
@@ -138,7 +138,7 @@ def test_one_shot_plan_and_grid():
     plan = one_shot_plan(10, 2, block=3, max_blocks=2)
     ops = [s.op for s in plan[(0, 0)]]
     assert ops == ["copy", "copy", "send", "wait", "reduce", "reduce"]
-    assert slice_len(10, 3) == 4 and slice_len(10, 3, align=16) == 16
+    assert chunk_size(10, 3) == 4 and chunk_size(10, 3, align=16) == 16
 
 
 def test_kernels_refuse_cpu_tensors_with_a_clear_error():

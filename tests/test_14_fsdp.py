@@ -102,7 +102,7 @@ def _structure(prefetch: bool) -> dict:
             b.register_forward_hook(lambda *a, i=i: trace.mark(f"forward_end_{i}") and None)
         local_backward("gpt", model, 0)
     flats = [f for u in model.units for f in u.flats]
-    gathered = [f.gathered for f in flats]
+    gathered = [f.is_unsharded for f in flats]
     return {"events": trace.to_records(), "marks": dict(trace.marks),
             "units": [[f.numel for f in u.flats] for u in model.units],
             "chunks": [f.chunk for f in flats], "gathered_after_step": gathered,
@@ -118,7 +118,7 @@ def _eval_and_errors() -> dict:
     with torch.no_grad():
         logits, _ = model(x)
     out["eval_diff"] = (logits - base(x)[0]).abs().max().item()
-    out["eval_freed"] = not any(f.gathered for u in model.units for f in u.flats)
+    out["eval_freed"] = not any(f.is_unsharded for u in model.units for f in u.flats)
     # Backward prefetches the frozen first layer, whose backward never runs: its gather
     # must be finished before its memory is released, or gloo writes into freed memory.
     frozen = FullyShardedDataParallel(make_model("frozen_layer"))

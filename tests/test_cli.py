@@ -14,6 +14,7 @@ import torch
 
 import dpcourse
 from dpcourse import cli
+from dpcourse.launch.torchrun import torchrun_command
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
@@ -42,7 +43,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 def test_torchrun_command(monkeypatch, gpus, argv, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    assert cli.torchrun_command(argv) == TORCHRUN + expected
+    assert torchrun_command(argv) == TORCHRUN + expected
 
 
 def test_doctor_prints_versions_default_backend_and_checks_an_all_reduce(capsys):

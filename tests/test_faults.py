@@ -19,7 +19,8 @@ from proc_helpers import live_children, wait_gone
 
 import dpcourse
 from dpcourse import RankDiedError, RankError, RankTimeoutError
-from dpcourse.launch.procs import Launch, LaunchSpec
+from dpcourse.launch.procs import Launch
+from dpcourse.launch.workdir import LaunchSpec
 from dpcourse.launch.launcher import _loopback_store, _serialize_call
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")

@@ -19,7 +19,7 @@ from torch import nn
 
 import dpcourse
 from dpcourse import cli
-from dpcourse.launch import procs, resources
+from dpcourse.launch import resources, workdir
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
@@ -64,7 +64,7 @@ def test_ranks_that_do_not_fit_in_memory_are_refused_unless_overridden(monkeypat
 def _workdirs_of(pid: int) -> list[str]:
     tmp = tempfile.gettempdir()
     return [os.path.join(tmp, n) for n in os.listdir(tmp)
-            if n.startswith(f"{procs.WORKDIR_PREFIX}{pid}-")]
+            if n.startswith(f"{workdir.WORKDIR_PREFIX}{pid}-")]
 
 
 def test_work_dir_of_a_killed_launcher_is_removed_by_the_next_launch():

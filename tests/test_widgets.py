@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse
-from dpcourse.comm import CommTrace, chunk_bounds, ring_all_reduce
+from dpcourse.comm import CommTrace, ring_all_reduce, shard_range
 from dpcourse.widgets import CostModelSimulator, RingStepper, messages_of, simulate_ring
 
 
@@ -24,7 +24,7 @@ def test_simulation_ends_with_the_sum_everywhere(world_size, numel):
     # After the reduce-scatter, rank r holds the full sum of chunk r (and only that one).
     mid = frames[world_size - 1]
     for r in range(world_size):
-        s, e = chunk_bounds(numel, world_size, r)
+        s, e = shard_range(numel, world_size, r)
         np.testing.assert_array_equal(mid.data[r][s:e], total[s:e])
         assert [mid.is_reduced(r, c) for c in range(world_size)] == [c == r for c in range(world_size)]
     # The ring's bandwidth claim: each rank sends 2 (N-1)/N of the tensor (exactly, when N divides it).

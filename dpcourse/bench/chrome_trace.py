@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-PHASES = ("forward", "backward", "optimizer")
+STEP_PHASES = ("forward", "backward", "optimizer")
 
 
 def _phase_of(ts, ranges):
@@ -45,7 +45,7 @@ def gpu_timeline(trace_path: str) -> dict:
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     ranges = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-              if e.get("cat") == "user_annotation" and e.get("name") in PHASES}
+              if e.get("cat") == "user_annotation" and e.get("name") in STEP_PHASES}
     launch = {e["args"]["correlation"]: e["ts"] for e in events
               if e.get("cat") in ("cuda_runtime", "cuda_driver")
               and isinstance(e.get("args"), dict) and "correlation" in e["args"]}
@@ -65,6 +65,6 @@ def gpu_timeline(trace_path: str) -> dict:
         phase = _phase_of(launch.get(args.get("correlation"), -1), ranges) or "other"
         busy.setdefault(phase, []).append((s, end))
     busy = {k: _merge(v) for k, v in busy.items()}
-    spans = [(p, busy[p][0][0], busy[p][-1][1]) for p in PHASES if p in busy]
+    spans = [(p, busy[p][0][0], busy[p][-1][1]) for p in STEP_PHASES if p in busy]
     return {"spans": spans, "busy": busy, "events": sorted(comm, key=lambda c: c["start"]),
             "n_kernels": len(kernels)}

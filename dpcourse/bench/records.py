@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-class Record(Mapping):
+class FieldMapping(Mapping):
     """Mixin for a dataclass: read its fields by name like a dict's keys."""
 
     def __getitem__(self, key: str) -> Any:
@@ -33,7 +33,7 @@ class Record(Mapping):
 
 
 @dataclass(eq=True)
-class Timing(Record):
+class Timing(FieldMapping):
     """Statistics of a candidate's timed trials (seconds).
 
     Attributes:
@@ -139,6 +139,6 @@ class BucketStepRow(Timing):
 
 def to_json(obj: Any) -> Any:
     """``json.dump``'s ``default=``: records become dicts, anything else its ``str``."""
-    if isinstance(obj, Record):
+    if isinstance(obj, FieldMapping):
         return dict(obj)
     return str(obj)

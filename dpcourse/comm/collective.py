@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from dpcourse.comm.p2p import AllReduce
+
+class AllReduce(Protocol):
+    """What ``all_reduce=`` accepts: ``dist.all_reduce``'s in-place signature, summing in ``group``.
+
+    ``dist.all_reduce``, :func:`dpcourse.comm.ring_all_reduce`,
+    :func:`dpcourse.comm.naive_all_reduce` and a learner's own ring all fit.
+    """
+
+    def __call__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Any:
+        """Sum ``tensor`` over ``group`` in place."""
 
 
 def sum_over_ranks(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None,

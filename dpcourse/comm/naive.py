@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.comm.averaging import divide_before_sum
-from dpcourse.comm.p2p import (AllReduce, CompletedWork, check_reduce_args, flat_view,
-                               global_rank, group_rank_and_size, recv, send)
+from dpcourse.comm.collective import AllReduce
+from dpcourse.comm.p2p import (CompletedWork, check_reduce_args, flat_view, global_rank,
+                               group_rank_and_size, recv, send)
 
 
 @torch.no_grad()  # like dist.all_reduce, works on tensors that require grad

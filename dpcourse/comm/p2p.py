@@ -8,10 +8,12 @@ every message the hand-built collectives send.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+# Re-exported: dpcourse.ddp's wrappers import the all-reduce signature from here.
+from dpcourse.comm.collective import AllReduce  # noqa: F401
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -156,13 +158,3 @@ class CompletedWork:
         """Return True: the work is already done."""
         return True
 
-
-class AllReduce(Protocol):
-    """What ``all_reduce=`` accepts: ``dist.all_reduce``'s in-place signature, summing over ``group``.
-
-    ``dist.all_reduce``, :func:`dpcourse.comm.ring_all_reduce`,
-    :func:`dpcourse.comm.naive_all_reduce` and a learner's own ring all fit.
-    """
-
-    def __call__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Any:
-        """Sum ``tensor`` over ``group`` in place."""

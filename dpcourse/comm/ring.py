@@ -1,8 +1,10 @@
 """Ring all-reduce built only from point-to-point messages.
 
-The flat tensor is cut into ``world_size`` chunks (:func:`chunk_bounds`). The
-ranks form a ring: rank ``r`` only ever sends to ``r + 1`` and receives from
-``r - 1`` (mod ``world_size``). Two phases of ``world_size - 1`` steps each:
+The flat tensor is cut into ``world_size`` chunks as ``dist.reduce_scatter_tensor``
+cuts it: chunk ``r`` is :func:`~dpcourse.comm.sharding.shard_range`, ``ceil(numel / N)``
+elements, the last chunks short or empty. The ranks form a ring: rank ``r`` only
+ever sends to ``r + 1`` and receives from ``r - 1`` (mod ``world_size``). Two
+phases of ``world_size - 1`` steps each:
 
 * **reduce-scatter** (:func:`ring_reduce_scatter`): at step ``s`` rank ``r``
   sends chunk ``(r - s - 1) % N`` and receives chunk ``(r - s - 2) % N``,
@@ -33,29 +35,9 @@ import torch.distributed as dist
 
 from dpcourse.comm.p2p import (CompletedWork, check_reduce_args, exchange, flat_view,
                                global_rank, group_rank_and_size, wait_all)
+from dpcourse.comm.sharding import chunk_size, shard_range
 
 PHASES = ("reduce_scatter", "all_gather")
-
-
-def chunk_bounds(numel: int, world_size: int, index: int) -> tuple[int, int]:
-    """Return ``(start, end)`` of chunk ``index`` of ``numel`` elements cut into ``world_size``.
-
-    Chunks are as equal as possible: the first ``numel % world_size`` chunks
-    have one element more. When ``numel < world_size`` the last chunks are empty.
-
-    Args:
-        numel: number of elements in the flat tensor.
-        world_size: number of chunks (one per rank).
-        index: which chunk, ``0 <= index < world_size``.
-
-    Returns:
-        ``(start, end)`` such that ``flat[start:end]`` is the chunk.
-    """
-    if not 0 <= index < world_size:
-        raise ValueError(f"chunk index {index} out of range for world_size={world_size}.")
-    base, extra = divmod(numel, world_size)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
 
 
 def ring_step_chunks(rank: int, world_size: int, phase: str, step: int) -> tuple[int, int]:
@@ -88,12 +70,12 @@ def _ring_phase(tensor: torch.Tensor, phase: str, group: dist.ProcessGroup | Non
     left = global_rank(group, (rank - 1) % world_size)
     with flat_view(tensor) as flat:
         numel = flat.numel()
-        # One receive buffer, reused at every step: the largest chunk is chunk 0.
-        buffer = flat.new_empty(chunk_bounds(numel, world_size, 0)[1])
+        # One receive buffer, reused at every step: no chunk is longer than chunk_size.
+        buffer = flat.new_empty(chunk_size(numel, world_size))
         for step in range(world_size - 1):
             send_chunk, recv_chunk = ring_step_chunks(rank, world_size, phase, step)
-            s0, s1 = chunk_bounds(numel, world_size, send_chunk)
-            r0, r1 = chunk_bounds(numel, world_size, recv_chunk)
+            s0, s1 = shard_range(numel, world_size, send_chunk)
+            r0, r1 = shard_range(numel, world_size, recv_chunk)
             if phase == "reduce_scatter":
                 incoming = buffer[: r1 - r0]
                 wait_all(exchange(flat[s0:s1], right, incoming, left, group))
@@ -105,7 +87,7 @@ def _ring_phase(tensor: torch.Tensor, phase: str, group: dist.ProcessGroup | Non
 def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Sum chunk ``r`` of ``tensor`` over all ranks into rank ``r``'s copy, in place.
 
-    Only chunk ``chunk_bounds(tensor.numel(), world_size, rank)`` (of the
+    Only chunk ``shard_range(tensor.numel(), world_size, rank)`` (of the
     flattened tensor) is meaningful afterwards; the other chunks hold partial sums.
 
     Args:
@@ -120,7 +102,7 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """Copy each rank's own chunk into every rank's ``tensor``, in place.
 
     On entry rank ``r`` must hold valid data in its chunk ``r`` (see
-    :func:`chunk_bounds`); on exit every chunk holds its owner's data.
+    :func:`~dpcourse.comm.sharding.shard_range`); on exit every chunk holds its owner's data.
 
     Args:
         tensor: any shape and dtype, same shape on every rank; updated in place.

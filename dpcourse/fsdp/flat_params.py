@@ -1,109 +1,206 @@
-"""FlatParams: one unit's parameters flattened and sharded, with no communication of its own.
+"""FlatParams: one unit's parameters flattened, sharded across ranks, unsharded only when needed.
 
-The layout of :class:`~dpcourse.fsdp.flat.FlatShard` without its collectives:
-exercise 14 hands these to the learner's hooks, which decide when to all-gather,
-free and reduce-scatter. Parameters of one kind (all trainable or all frozen)
-are concatenated into ``numel`` elements, padded to ``N * chunk``
-(``chunk = ceil(numel / N)``); rank ``r`` keeps elements
-``[r * chunk, (r + 1) * chunk)`` as :attr:`FlatParams.shard`. While the unit
-computes, the module's attributes are views into :attr:`FlatParams.full`.
+A unit's parameters of one kind (all trainable or all frozen) are concatenated
+into one flat vector of ``numel`` elements, padded to ``N * chunk``
+(``chunk = ceil(numel / N)``, :func:`dpcourse.comm.sharding.chunk_size`), and rank
+``r`` keeps only elements ``[r * chunk, (r + 1) * chunk)``: :attr:`FlatParams.shard`,
+an ``nn.Parameter`` that the optimizer steps. That is the layout of
+``dist.reduce_scatter_tensor`` and ``dist.all_gather_into_tensor``. The module's
+own parameters are removed; while the unit computes, its attributes
+(``linear.weight``...) are views into :attr:`FlatParams.full`, the unsharded
+vector, which an all-gather fills just before and which is freed right after.
+
+The vocabulary is torch FSDP2's (``FSDPParam``): :meth:`~FlatParams.unshard`
+allocates ``full`` and all-gathers into it, :meth:`~FlatParams.reshard` frees it,
+:meth:`~FlatParams.to_unsharded` points the module at views of it.
+:class:`~dpcourse.fsdp.FullyShardedDataParallel` calls those; exercise 14's hooks
+issue the collectives themselves, into the buffer :meth:`~FlatParams.alloc_unsharded`
+returns.
+
+Freeing keeps the tensor objects and releases their memory:
+``full.untyped_storage().resize_(0)``. Autograd's saved tensors (e.g. the
+weight a ``Linear`` needs for its backward) are views of that storage, so a
+second all-gather into the same storage before the unit's backward brings
+them back to life. Writing into a tensor that autograd saved normally bumps
+its version counter and makes backward refuse it; the data written is the
+very same weights, so the counter is preserved around the write (torch's
+FSDP does the same).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dpcourse.zero.layout import chunk_size
+from dpcourse.comm.sharding import chunk_size
+from dpcourse.zero.collectives import all_gather
+
+
+@dataclass
+class Site:
+    """One place a parameter is registered: ``module.<attr>`` (a tied weight has several)."""
+
+    module: nn.Module
+    attr: str
+
+
+def sites_by_param(module: nn.Module) -> dict[int, list[Site]]:
+    """Return every place each parameter of ``module`` is registered, by ``id(parameter)``."""
+    sites: dict[int, list[Site]] = {}
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                sites.setdefault(id(p), []).append(Site(m, attr))
+    return sites
 
 
 class FlatParams:
-    """The parameters of one kind (trainable or frozen) of one unit, flattened and sharded.
+    """Shard one group of parameters (all trainable or all frozen) of one unit.
 
     Args:
-        module: the unit; every parameter of it with ``requires_grad == trainable`` moves
-            here and leaves ``module``'s parameters (shared parameters are not supported).
-        trainable: which kind to take.
+        params: the unique parameters, in registration order.
+        sites: ``sites[k]``: where ``params[k]`` is registered.
         world_size: ranks ``N``.
         rank: this rank.
+        group: process group of :meth:`unshard` (``None``: the default group).
+        compute_dtype: dtype of the unsharded weights (``None``: the parameters' dtype).
+        shard: this rank's shard, already cut (a model materialised from the meta
+            device, :mod:`dpcourse.fsdp.materialize`); ``None``: cut it from ``params``.
+        names: the parameters' names, for whoever needs them (``None``: empty).
 
     Attributes:
-        shard: this rank's ``chunk`` elements, an ``nn.Parameter`` (what the optimizer steps).
-        full: the ``N * chunk`` gathered vector; it holds no memory until :meth:`allocate`.
-        numel, chunk: elements before padding, and per rank.
-        requires_grad: whether these parameters are trained.
-        names: the parameters' names within ``module``, in registration order.
+        shard: this rank's ``chunk`` elements, an ``nn.Parameter`` in the parameters' dtype.
+        full: the ``N * chunk`` unsharded vector in ``compute_dtype``; it holds no
+            memory while the unit is not computing (:attr:`is_unsharded`).
+        numel, chunk, padding: elements before padding, per rank, and of padding.
+        sizes, shapes, names: numel, shape and name of each parameter.
     """
 
-    def __init__(self, module: nn.Module, trainable: bool, world_size: int, rank: int):
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad == trainable]
-        if not named:
-            raise ValueError(f"the module has no {'trainable' if trainable else 'frozen'} "
-                             "parameter.")
-        self.names = [n for n, _ in named]
-        self.sizes = [p.numel() for _, p in named]
-        self.shapes = [p.shape for _, p in named]
-        self.numel, self.requires_grad = sum(self.sizes), trainable
+    def __init__(self, params: list[nn.Parameter], sites: list[list[Site]], world_size: int,
+                 rank: int, *, group=None, compute_dtype: torch.dtype | None = None,
+                 shard: torch.Tensor | None = None, names: list[str] | None = None):
+        self.sites, self.group, self.world_size = sites, group, world_size
+        self.names = names or []
+        self.sizes = [p.numel() for p in params]
+        self.shapes = [p.shape for p in params]
+        self.numel = sum(self.sizes)
         self.chunk = chunk_size(self.numel, world_size)
-        dtype = named[0][1].dtype
-        with torch.no_grad():
-            flat = torch.zeros(world_size * self.chunk, dtype=dtype)
-            flat[:self.numel] = torch.cat([p.detach().reshape(-1) for _, p in named])
-        self.shard = nn.Parameter(flat[rank * self.chunk:(rank + 1) * self.chunk].clone(),
-                                  requires_grad=trainable)
-        self.full = torch.empty(world_size * self.chunk, dtype=dtype)
-        self._nbytes = self.full.untyped_storage().nbytes()
-        self.free()
-        self._sites = []
-        for name in self.names:  # the module forgets its parameters; views will replace them
-            owner, _, attr = name.rpartition(".")
-            sub = module.get_submodule(owner)
-            del sub._parameters[attr]
-            setattr(sub, attr, torch.empty(0, dtype=dtype))
-            self._sites.append((sub, attr))
+        self.padding = world_size * self.chunk - self.numel
+        dtype = params[0].dtype
+        device = params[0].device if shard is None else shard.device
+        self.compute_dtype = compute_dtype or dtype
+        if shard is None:
+            with torch.no_grad():
+                flat = torch.zeros(world_size * self.chunk, dtype=dtype, device=device)
+                torch.cat([p.detach().reshape(-1) for p in params], out=flat[:self.numel])
+                shard = flat[rank * self.chunk:(rank + 1) * self.chunk].clone()
+                del flat
+        self.shard = nn.Parameter(shard, requires_grad=params[0].requires_grad)
+        self.full = torch.empty(world_size * self.chunk, dtype=self.compute_dtype, device=device)
+        self._full_bytes = self.full.untyped_storage().nbytes()
+        self._work = None
+        self._version = 0
+        self._block: torch.Tensor | None = None
+        self.reshard()
+        for p_sites in sites:  # the module forgets its parameters; views replace them
+            for s in p_sites:
+                del s.module._parameters[s.attr]
+                setattr(s.module, s.attr, torch.empty(0, dtype=dtype, device=device))
 
     @classmethod
-    def of_unit(cls, module: nn.Module, world_size: int, rank: int) -> list["FlatParams"]:
-        """Return the unit's flats: its trainable parameters first, then its frozen ones."""
-        kinds = [k for k in (True, False) if any(p.requires_grad == k for p in module.parameters())]
-        return [cls(module, k, world_size, rank) for k in kinds]
+    def of_unit(cls, module: nn.Module, world_size: int, rank: int,
+                group=None) -> list[FlatParams]:
+        """Return a unit's flats: its trainable parameters first, then its frozen ones.
+
+        Names are relative to ``module``; a weight tied inside it is one parameter.
+        """
+        sites = sites_by_param(module)
+        named = dict((id(p), (n, p)) for n, p in reversed(list(module.named_parameters())))
+        order = [named[pid] for pid in sites]  # registration order, first name of each
+        flats = []
+        for trainable in (True, False):
+            kind = [(n, p) for n, p in order if p.requires_grad == trainable]
+            if kind:
+                flats.append(cls([p for _, p in kind], [sites[id(p)] for _, p in kind],
+                                 world_size, rank, group=group, names=[n for n, _ in kind]))
+        return flats
 
     @property
-    def allocated(self) -> bool:
-        """Whether :attr:`full` holds memory."""
+    def requires_grad(self) -> bool:
+        """Whether these parameters are trained."""
+        return self.shard.requires_grad
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether :attr:`full` holds memory (unsharded, or an all-gather into it is in flight)."""
         return self.full.untyped_storage().nbytes() > 0
 
-    def allocate(self) -> torch.Tensor:
-        """Give :attr:`full` its memory back and return the tensor a collective fills.
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Give :attr:`full` its memory back and return the tensor an all-gather fills.
 
         The returned tensor is :attr:`full`'s memory without its autograd bookkeeping:
         before a unit's backward, the weights autograd saved in forward (views of
         ``full``) are refilled with the very same values, which autograd must not
         count as a change. The contents are undefined until a collective fills them.
         """
-        self.full.untyped_storage().resize_(self._nbytes)
+        self.full.untyped_storage().resize_(self._full_bytes)
         return self.full.data
 
-    def free(self) -> None:
-        """Release :attr:`full`'s memory (views of it stay valid objects with no data).
+    def unshard(self) -> None:
+        """Allocate :attr:`full` and launch the all-gather of every rank's shard into it (async)."""
+        if self.is_unsharded:
+            return
+        self.alloc_unsharded()
+        # Cast before sending: in mixed precision the all-gather moves half the bytes.
+        self._block = self.shard.detach().to(self.compute_dtype)
+        self._version = self.full._version
+        self._work = all_gather(self.full, self._block, group=self.group, async_op=True)
 
-        Only once every collective writing into it has finished: a collective still in
-        flight would write into memory the process has given back.
+    def wait_for_unshard(self) -> None:
+        """Make :attr:`full` valid: wait for the in-flight all-gather (start one if none)."""
+        self.unshard()
+        if self._work is not None:
+            self._work.wait()
+            # The collective counts as an in-place write (at launch or on completion,
+            # depending on the backend): restore the version autograd saw.
+            torch._C._autograd._unsafe_set_version_counter((self.full,), (self._version,))
+            self._work, self._block = None, None
+
+    def reshard(self) -> None:
+        """Release :attr:`full`'s memory; views into it stay valid objects with no data.
+
+        An all-gather still in flight is waited for first: a prefetch whose unit never
+        ran (e.g. a frozen first layer has no backward) would otherwise keep writing
+        into memory already released, and corrupt the process's heap.
         """
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._block = None, None
         self.full.untyped_storage().resize_(0)
 
-    def point_module_at(self, full: torch.Tensor) -> None:
-        """Set every parameter's attribute of the module to its view of ``full``.
+    def to_unsharded(self, full: torch.Tensor) -> None:
+        """Point every site at its view of ``full``.
 
         Args:
             full: :attr:`full` itself, or the tensor :func:`gathered` returns (which
                 carries the link to :attr:`shard` that autograd follows).
         """
-        parts = full.split(self.sizes + [full.numel() - self.numel])
-        for (sub, attr), part, shape in zip(self._sites, parts, self.shapes):
-            setattr(sub, attr, part.view(shape))
+        parts = full.split(self.sizes + [self.padding])
+        for part, shape, p_sites in zip(parts, self.shapes, self.sites):
+            view = part.view(shape)
+            for s in p_sites:
+                setattr(s.module, s.attr, view)
+
+    @torch.no_grad()
+    def full_tensors(self) -> list[torch.Tensor]:
+        """All-gather the master shards (not the compute copies); return each parameter, cloned."""
+        out = torch.empty(self.world_size * self.chunk, dtype=self.shard.dtype,
+                          device=self.shard.device)
+        all_gather(out, self.shard.detach(), group=self.group)
+        return [t.view(s).clone() for t, s in zip(out.split(self.sizes + [self.padding]),
+                                                 self.shapes)]
 
 
 class _Gathered(torch.autograd.Function):
@@ -120,27 +217,16 @@ class _Gathered(torch.autograd.Function):
         return None, None, None  # the shard's .grad is set by on_gradient, not by autograd
 
 
-class _HasShardAndFull(Protocol):
-    """What :func:`gathered` needs of a flat: :class:`FlatParams`, or the FSDP wrapper's FlatShard."""
-
-    @property
-    def shard(self) -> torch.Tensor: ...
-
-    @property
-    def full(self) -> torch.Tensor: ...
-
-
-def gathered(flat: _HasShardAndFull, on_gradient) -> torch.Tensor:
+def gathered(flat: FlatParams, on_gradient) -> torch.Tensor:
     """Return ``flat.full`` as autograd's function of ``flat.shard``.
 
-    Point the module at it (:meth:`FlatParams.point_module_at`) and, once backward
+    Point the module at it (:meth:`FlatParams.to_unsharded`) and, once backward
     has the gradient of every view of it, autograd calls
     ``on_gradient(flat, grad_full)`` with the gradient of the whole ``N * chunk``
     vector on this rank (zeros in the padding).
 
     Args:
-        flat: a trainable flat whose ``full`` holds the gathered weights (a
-            :class:`FlatParams`, or the wrapper's :class:`~dpcourse.fsdp.flat.FlatShard`).
+        flat: a trainable flat whose ``full`` holds the gathered weights.
         on_gradient: ``on_gradient(flat, grad_full)``, called once per backward.
     """
     return _Gathered.apply(flat.shard, flat, on_gradient)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcourse.zero.layout import chunk_size
+from dpcourse.comm.sharding import chunk_size
 
 
 def reset_parameters(module: nn.Module) -> None:

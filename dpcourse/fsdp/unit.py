@@ -20,8 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from dpcourse.comm.averaging import divide_before_sum
-from dpcourse.fsdp.flat import FlatShard
-from dpcourse.fsdp.flat_params import gathered
+from dpcourse.fsdp.flat_params import FlatParams, gathered
 from dpcourse.zero.collectives import reduce_scatter
 
 
@@ -30,12 +29,12 @@ class FSDPUnit:
 
     Args:
         module: the submodule (``None`` for the root unit, driven by the wrapper).
-        flats: its :class:`FlatShard` groups (trainable and/or frozen).
+        flats: its :class:`~dpcourse.fsdp.flat_params.FlatParams` (trainable and/or frozen).
         owner: the :class:`~dpcourse.fsdp.FullyShardedDataParallel`.
         index: position in the wrapper's unit list.
     """
 
-    def __init__(self, module, flats: list[FlatShard], owner, index: int):
+    def __init__(self, module, flats: list[FlatParams], owner, index: int):
         self.module, self.flats, self.owner, self.index = module, flats, owner, index
         self.backward_started = False
         self.forwarded = False
@@ -44,29 +43,29 @@ class FSDPUnit:
             self.handles = [module.register_forward_pre_hook(self._pre_forward),
                             module.register_forward_hook(self._post_forward)]
 
-    # -- gather / free ---------------------------------------------------------------
-    def start_gather(self) -> None:
+    # -- unshard / reshard -----------------------------------------------------------
+    def unshard(self) -> None:
         """Launch the all-gathers of this unit's weights (a prefetch)."""
         for f in self.flats:
-            f.start_gather()
+            f.unshard()
 
-    def gather(self) -> None:
+    def wait_for_unshard(self) -> None:
         """Make this unit's weights valid (wait for, or do, the all-gathers)."""
         for f in self.flats:
-            f.wait_gather()
+            f.wait_for_unshard()
 
-    def free(self) -> None:
+    def reshard(self) -> None:
         """Release this unit's gathered weights."""
         for f in self.flats:
-            f.free()
+            f.reshard()
 
-    def use_gathered(self) -> None:
+    def to_unsharded(self) -> None:
         """Point the module at the gathered weights, through :func:`gathered` when trainable."""
         for f in self.flats:
             if f.shard.requires_grad and torch.is_grad_enabled():
-                f.set_views(gathered(f, self.reduce_gradient))
+                f.to_unsharded(gathered(f, self.reduce_gradient))
             else:
-                f.set_views(f.full.detach())
+                f.to_unsharded(f.full.detach())
 
     # -- hooks ------------------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -76,13 +75,13 @@ class FSDPUnit:
                 "its gradient would be reduced twice. Make it a unit of its own per use, or "
                 "leave it to the root unit (pass units= without it).")
         self.forwarded = torch.is_grad_enabled()
-        self.gather()
-        self.use_gathered()
+        self.wait_for_unshard()
+        self.to_unsharded()
         self.owner._prefetch_after(self, backward=False)
         return self.owner._cast_inputs(args)
 
     def _post_forward(self, module, args, output):
-        self.free()
+        self.reshard()
         if torch.is_grad_enabled():
             self.backward_started = False
             for t in tree_flatten(output)[0]:
@@ -95,13 +94,13 @@ class FSDPUnit:
             self.backward_started = True
             self.owner._backward_started()
             with torch.no_grad():
-                self.gather()
+                self.wait_for_unshard()
             self.owner._prefetch_after(self, backward=True)
         return grad
 
     # -- gradients --------------------------------------------------------------------
     @torch.no_grad()
-    def reduce_gradient(self, flat: FlatShard, grad_full: torch.Tensor) -> None:
+    def reduce_gradient(self, flat: FlatParams, grad_full: torch.Tensor) -> None:
         """Launch the reduce-scatter of a flat's full gradient; free the weights."""
         owner = self.owner
         grad = grad_full.to(owner.reduce_dtype or grad_full.dtype)
@@ -118,4 +117,4 @@ class FSDPUnit:
         owner._drain(keep=1)
         # Every use of these weights has had its backward. (A frozen flat of the same
         # unit may still be needed for an input gradient: it is freed when backward ends.)
-        flat.free()
+        flat.reshard()

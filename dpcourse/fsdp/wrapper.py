@@ -2,7 +2,7 @@
 
 The model is cut into *units* (by default each block of every ``nn.ModuleList``,
 e.g. a GPT's transformer blocks; the rest of the model is the root unit). Each
-unit's parameters are flattened and sharded (:class:`~dpcourse.fsdp.flat.FlatShard`);
+unit's parameters are flattened and sharded (:class:`~dpcourse.fsdp.flat_params.FlatParams`);
 a unit's full weights exist only while it computes (:mod:`dpcourse.fsdp.unit`).
 Per step every rank moves, per parameter byte: one all-gather in forward, one
 in backward and one reduce-scatter of the gradient, 3 x (N-1)/N, against an
@@ -29,7 +29,7 @@ from torch.autograd import Variable
 from dpcourse.ddp.base import broadcast_module_state
 from dpcourse.ddp.guards import check_same_model
 from dpcourse.device import rank_device
-from dpcourse.fsdp.flat import FlatShard, Site
+from dpcourse.fsdp.flat_params import FlatParams, sites_by_param
 from dpcourse.fsdp.materialize import Materializer, built_on_meta
 from dpcourse.fsdp.unit import FSDPUnit
 
@@ -42,15 +42,6 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     if not units:
         units = [c for c in module.children() if any(True for _ in c.parameters())]
     return units
-
-
-def _sites_by_param(module: nn.Module) -> dict[int, list[Site]]:
-    sites: dict[int, list[Site]] = {}
-    for m in module.modules():
-        for attr, p in m._parameters.items():
-            if p is not None:
-                sites.setdefault(id(p), []).append(Site(m, attr))
-    return sites
 
 
 def _check(module, compute_dtype, units) -> None:
@@ -130,7 +121,7 @@ class FullyShardedDataParallel(nn.Module):
             for m in unit_module.modules():
                 if owner_of.setdefault(id(m), k) != k:
                     raise ValueError("units= must not overlap (a module inside two units).")
-        sites = _sites_by_param(module)
+        sites = sites_by_param(module)
         params = {id(p): p for p in module.parameters()}
         groups: dict[tuple[int, bool], list[int]] = {}
         for pid in params:  # registration order
@@ -152,9 +143,10 @@ class FullyShardedDataParallel(nn.Module):
         for k, um in enumerate(modules):
             flats = []
             for j, ids in enumerate(specs[k]):
-                flats.append(FlatShard([params[i] for i in ids], [sites[i] for i in ids],
-                                       self.group, self.world_size, self.rank,
-                                       self.compute_dtype, shard=shards.get((k, j))))
+                flats.append(FlatParams([params[i] for i in ids], [sites[i] for i in ids],
+                                        self.world_size, self.rank, group=self.group,
+                                        compute_dtype=self.compute_dtype,
+                                        shard=shards.get((k, j))))
                 self._names_by_flat[id(flats[-1])] = [self._names[i] for i in ids]
             self.units.append(FSDPUnit(um, flats, self, k))
 
@@ -172,11 +164,11 @@ class FullyShardedDataParallel(nn.Module):
             self._order.append(unit)
             nxt = self.units.index(unit) + 1  # forward: assume registration order
             if nxt < len(self.units):
-                self.units[nxt].start_gather()
+                self.units[nxt].unshard()
             return
         pos = self._order.index(unit) if unit in self._order else 0
         if pos > 0:  # backward runs the units in reverse forward order
-            self._order[pos - 1].start_gather()
+            self._order[pos - 1].unshard()
 
     def _backward_started(self) -> None:
         if not self._in_backward:
@@ -194,13 +186,13 @@ class FullyShardedDataParallel(nn.Module):
         self._order = []
         for u in self.units:
             u.forwarded = False
-        root.gather()
-        root.use_gathered()
+        root.wait_for_unshard()
+        root.to_unsharded()
         if self.prefetch and len(self.units) > 1:
-            self.units[1].start_gather()
+            self.units[1].unshard()
         out = self.module(*self._cast_inputs(args), **kwargs)
         if not torch.is_grad_enabled():
-            root.free()
+            root.reshard()
             return out
         for t in _tensors(out):
             if t.requires_grad:
@@ -210,7 +202,7 @@ class FullyShardedDataParallel(nn.Module):
     def _root_pre_backward(self, grad):
         self._backward_started()
         if self.prefetch and self._order:
-            self._order[-1].start_gather()  # the last unit's backward comes first
+            self._order[-1].unshard()  # the last unit's backward comes first
         return grad
 
     @torch.no_grad()
@@ -222,7 +214,7 @@ class FullyShardedDataParallel(nn.Module):
         """
         self._drain(keep=0)
         for u in self.units:
-            u.free()
+            u.reshard()
 
     @torch.no_grad()
     def _drain(self, keep: int) -> None:
@@ -247,7 +239,7 @@ class FullyShardedDataParallel(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
             for f in u.flats:
-                out.update(zip(self._names_by_flat[id(f)], f.gather_full()))
+                out.update(zip(self._names_by_flat[id(f)], f.full_tensors()))
         return {n: out[n] for n in sorted(out, key=list(self._names.values()).index)}
 
 

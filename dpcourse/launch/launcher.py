@@ -26,7 +26,8 @@ import socket
 import sys
 
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
-from dpcourse.launch.procs import STARTUP_TIMEOUT, Launch, LaunchSpec
+from dpcourse.launch.procs import STARTUP_TIMEOUT, Launch
+from dpcourse.launch.workdir import LaunchSpec
 from dpcourse.launch.ranks import plan_ranks
 from dpcourse.launch.resources import check_resources
 

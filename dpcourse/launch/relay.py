@@ -22,7 +22,7 @@ def _pump(rank: int, name: str, stream, out: queue.Queue) -> None:
         stream.close()
 
 
-class Relay:
+class OutputRelay:
     """Collect the output of every rank and write it out on demand.
 
     Args:

@@ -7,7 +7,7 @@ cannot leak in and a function defined in a notebook cell arrives by value
 Protocol with the launching process (see :mod:`dpcourse.launch.procs`):
 
 * ``WORKDIR/payload.pkl`` holds the call and the launch settings
-  (:class:`dpcourse.launch.procs.LaunchSpec`);
+  (:class:`dpcourse.launch.workdir.LaunchSpec`);
 * the rank creates ``WORKDIR/rank{r}.joined`` once it is in the process group
   (the launcher's timeout counts from when every rank has joined);
 * the rank writes ``WORKDIR/rank{r}.result`` (atomically) when ``fn`` returned
@@ -165,7 +165,7 @@ def _call(workdir: str, rank: int, result_path: str) -> bool:
     phase = "load"
     try:
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
-            spec = pickle.load(f)  # a dpcourse.launch.procs.LaunchSpec
+            spec = pickle.load(f)  # a dpcourse.launch.workdir.LaunchSpec
         sys.path[:] = spec.sys_path
         fn, args, kwargs = pickle.loads(spec.call)
         phase = "init"

@@ -1,7 +1,7 @@
 """A pure-Python simulation of ring all-reduce, step by step, for pictures and widgets.
 
 It follows exactly the schedule of :func:`dpcourse.comm.ring_all_reduce` (it asks
-:func:`dpcourse.comm.ring.ring_step_chunks` and :func:`~dpcourse.comm.ring.chunk_bounds`
+:func:`dpcourse.comm.ring.ring_step_chunks` and :func:`~dpcourse.comm.shard_range`
 which chunk moves where), but runs in one process on plain numbers, so every
 intermediate state can be shown: which chunk each rank sends, receives and holds,
 and which ranks' inputs each held chunk already contains.
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpcourse.comm.ring import PHASES, chunk_bounds, ring_step_chunks
+from dpcourse.comm.ring import PHASES, ring_step_chunks
+from dpcourse.comm.sharding import shard_range
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class RingFrame:
 
     def chunk(self, rank: int, index: int) -> np.ndarray:
         """Return chunk ``index`` of rank ``rank``'s data."""
-        start, end = chunk_bounds(len(self.data[rank]), len(self.data), index)
+        start, end = shard_range(len(self.data[rank]), len(self.data), index)
         return self.data[rank][start:end]
 
     def is_reduced(self, rank: int, index: int) -> bool:
@@ -82,14 +83,14 @@ def simulate_ring(inputs) -> list[RingFrame]:
             outgoing = []
             for r in range(n):
                 send_chunk, _ = ring_step_chunks(r, n, phase, step)
-                s0, s1 = chunk_bounds(numel, n, send_chunk)
+                s0, s1 = shard_range(numel, n, send_chunk)
                 outgoing.append((send_chunk, data[r][s0:s1].copy(), owners[r][send_chunk]))
             messages = []
             for r in range(n):
                 src = (r - 1) % n
                 chunk, payload, who = outgoing[src]
                 assert chunk == ring_step_chunks(r, n, phase, step)[1]
-                r0, r1 = chunk_bounds(numel, n, chunk)
+                r0, r1 = shard_range(numel, n, chunk)
                 if phase == "reduce_scatter":
                     data[r][r0:r1] += payload
                     owners[r][chunk] = owners[r][chunk] | who

@@ -6,8 +6,8 @@ only 1/N of the gradients (ZeRO-2). Stage 3 (parameters too) is
 :mod:`dpcourse.fsdp`.
 """
 
+from dpcourse.comm.sharding import chunk_size, shard_range
 from dpcourse.zero.collectives import all_gather, reduce_scatter, trace_wire_bytes, wire_bytes
-from dpcourse.zero.layout import chunk_size, shard_range
 from dpcourse.zero.memory import (gradient_bytes, optimizer_state_bytes, tensor_bytes,
                                   zero_bytes_per_rank)
 from dpcourse.zero.optimizer import GRADIENT_MODES, ShardedOptimizer

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dpcourse.zero.layout import shard_range
+from dpcourse.comm.sharding import shard_range
 
 
 class Consolidated(NamedTuple):

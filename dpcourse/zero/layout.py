@@ -2,7 +2,8 @@
 
 Every parameter's flattened values are cut into ``N`` equal chunks of
 ``chunk = ceil(numel / N)`` elements (the last ones padded with zeros), and rank
-``r`` owns chunk ``r`` of EVERY parameter. Each rank therefore owns ``1/N`` of
+``r`` owns chunk ``r`` of EVERY parameter (the layout of ``dist.reduce_scatter_tensor``,
+:func:`dpcourse.comm.sharding.shard_range`). Each rank therefore owns ``1/N`` of
 every tensor, whatever the sizes, so an optimizer state that has the shape of
 the parameters shrinks to ``1/N`` per rank (up to the padding, at most ``N - 1``
 elements per tensor).
@@ -26,28 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dpcourse.comm.sharding import chunk_size
 from dpcourse.ddp.buckets import assign_buckets
-
-
-def chunk_size(numel: int, world_size: int) -> int:
-    """Return ``ceil(numel / world_size)``: the elements of one rank's chunk of a tensor."""
-    return -(-numel // world_size)
-
-
-def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Return ``(start, end)`` of the real (unpadded) elements rank ``rank`` owns of a flat tensor.
-
-    Args:
-        numel: elements of the flat tensor.
-        world_size: number of ranks ``N``.
-        rank: this rank.
-
-    Returns:
-        ``start = min(rank * c, numel)``, ``end = min((rank + 1) * c, numel)`` with
-        ``c = ceil(numel / N)``; empty for the last ranks of a tensor smaller than ``N``.
-    """
-    c = chunk_size(numel, world_size)
-    return min(rank * c, numel), min((rank + 1) * c, numel)
 
 
 @dataclass

@@ -41,11 +41,12 @@ from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from dpcourse.comm.averaging import divide_before_sum
+from dpcourse.comm.sharding import shard_range
 from dpcourse.ddp.buckets import check_bucket_cap
 from dpcourse.ddp.guards import check_same_model
 from dpcourse.zero import checkpoint
 from dpcourse.zero.collectives import all_gather, reduce_scatter
-from dpcourse.zero.layout import ShardBucket, make_shard_buckets, shard_range
+from dpcourse.zero.layout import ShardBucket, make_shard_buckets
 
 GRADIENT_MODES = ("averaged", "reduce_scatter", "sharded")
 

@@ -16,19 +16,20 @@ class _Hooks:
 
     def gather(self):
         for flat in self.flats:
-            dist.all_gather_into_tensor(flat.allocate(), flat.shard.detach(), group=self.group)
+            dist.all_gather_into_tensor(flat.alloc_unsharded(), flat.shard.detach(),
+                                        group=self.group)
 
     def pre_forward(self, module, args):
         self.gather()
         for flat in self.flats:
             if flat.requires_grad and torch.is_grad_enabled():
-                flat.point_module_at(gathered(flat, self.post_backward))
+                flat.to_unsharded(gathered(flat, self.post_backward))
             else:
-                flat.point_module_at(flat.full)
+                flat.to_unsharded(flat.full)
 
     def post_forward(self, module, args, output):
         for flat in self.flats:
-            flat.free()
+            flat.reshard()
         if output.requires_grad:
             output.register_hook(self.pre_backward)
 
@@ -40,7 +41,7 @@ class _Hooks:
         mine = torch.empty(flat.chunk, dtype=grad_full.dtype)
         dist.reduce_scatter_tensor(mine, grad_full / world, group=self.group)
         flat.shard.grad = mine if flat.shard.grad is None else flat.shard.grad + mine
-        flat.free()
+        flat.reshard()
 
 
 class NoBackwardGather(_Hooks):
@@ -48,7 +49,7 @@ class NoBackwardGather(_Hooks):
 
     def post_forward(self, module, args, output):
         for flat in self.flats:
-            flat.free()
+            flat.reshard()
 
 
 class SummedNotAveraged(_Hooks):
@@ -58,7 +59,7 @@ class SummedNotAveraged(_Hooks):
         mine = torch.empty(flat.chunk, dtype=grad_full.dtype)
         dist.reduce_scatter_tensor(mine, grad_full, group=self.group)
         flat.shard.grad = mine if flat.shard.grad is None else flat.shard.grad + mine
-        flat.free()
+        flat.reshard()
 
 
 class AllReduceThenSlice(_Hooks):
@@ -70,7 +71,7 @@ class AllReduceThenSlice(_Hooks):
         dist.all_reduce(total, group=self.group)
         mine = total[rank * flat.chunk:(rank + 1) * flat.chunk].clone()
         flat.shard.grad = mine if flat.shard.grad is None else flat.shard.grad + mine
-        flat.free()
+        flat.reshard()
 
 
 class NeverFrees(_Hooks):
@@ -101,9 +102,9 @@ class FreesBeforeWait(_Hooks):
 
     def gather(self):
         for flat in self.flats:
-            work = dist.all_gather_into_tensor(flat.allocate(), flat.shard.detach(),
+            work = dist.all_gather_into_tensor(flat.alloc_unsharded(), flat.shard.detach(),
                                                group=self.group, async_op=True)
-            flat.free()
+            flat.reshard()
             work.wait()
 
 

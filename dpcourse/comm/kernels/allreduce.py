@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dpcourse.comm.kernels.schedule import grid_size, slice_len
+from dpcourse.comm.kernels.schedule import grid_size
 from dpcourse.comm.kernels.workspace import (Workspace, cache_key, get_workspace,
                                              in_symmetric_memory, is_current,
                                              symmetric_workspace_of)
+from dpcourse.comm.sharding import chunk_size
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TILE_BYTES = 16 * 1024  # bytes of one tensor a block handles per loop iteration
@@ -209,7 +210,7 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
           if resident is None else resident)
     if ws.world_size == 1:
         return
-    length = slice_len(n, ws.world_size, ALIGN)
+    length = chunk_size(n, ws.world_size, align=ALIGN)  # slice r: shard_range(..., align=ALIGN)
     if copy and length * ws.world_size > n + 64 * ALIGN:  # more than 64 ranks
         ws = get_workspace(2 * length * ws.world_size * element, group, flat.device)
     if copy:  # alternating halves, shared with one-shot (its kernel says why)

@@ -23,25 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def slice_len(numel: int, world_size: int, align: int = 1) -> int:
-    """Return the length of each rank's slice in the two-shot kernel.
-
-    Args:
-        numel: elements in the tensor.
-        world_size: number of ranks (slices).
-        align: round the slice up to a multiple of this (the GPU kernel uses 16
-            elements so that every slice starts on a 16-element boundary).
-
-    Returns:
-        ``ceil(numel / world_size)`` rounded up to ``align``; slice ``r`` is
-        ``[r * L, min((r + 1) * L, numel))`` and the last slices may be short or empty.
-    """
-    if numel < 0 or world_size < 1 or align < 1:
-        raise ValueError(f"need numel >= 0, world_size >= 1, align >= 1; got "
-                         f"{numel}, {world_size}, {align}.")
-    per = -(-numel // world_size)
-    return -(-per // align) * align
+from dpcourse.comm.sharding import chunk_size, shard_range
 
 
 def block_tiles(length: int, block: int, num_blocks: int, pid: int) -> list[range]:
@@ -135,29 +117,30 @@ def two_shot_plan(numel: int, world_size: int, block: int = 4, max_blocks: int =
     Returns:
         ``{(rank, block): [Step, ...]}``.
     """
-    length = slice_len(numel, world_size)
+    length = chunk_size(numel, world_size)
     blocks = grid_size(length, block, max_blocks)
     plan = {}
     for rank in range(world_size):
         others = [s for s in range(world_size) if s != rank]
         for pid in range(blocks):
             tiles = block_tiles(length, block, blocks, pid)
-            own = [_within(t, rank, length, numel) for t in tiles]
-            steps = [Step("copy", rank, pid, s, _within(t, s, length, numel), offset)
+            own = [_within(t, rank, numel, world_size) for t in tiles]
+            steps = [Step("copy", rank, pid, s, _within(t, s, numel, world_size), offset)
                      for t in tiles for s in others]
             steps += _barrier(rank, pid, world_size) if barrier else []
             steps += [Step("reduce", rank, pid, None, t, offset) for t in own]
             steps += [Step("push", rank, pid, p, t, offset) for t in own for p in others]
             steps += _barrier(rank, pid, world_size) if barrier else []
-            steps += [Step("copy_out", rank, pid, s, _within(t, s, length, numel), offset)
+            steps += [Step("copy_out", rank, pid, s, _within(t, s, numel, world_size), offset)
                       for t in tiles for s in others]
             plan[(rank, pid)] = steps
     return plan
 
 
-def _within(tile: range, which: int, length: int, numel: int) -> range:
-    start = which * length
-    return range(min(start + tile.start, numel), min(start + tile.stop, numel))
+def _within(tile: range, which: int, numel: int, world_size: int) -> range:
+    """Return ``tile`` (offsets inside a slice) as elements of slice ``which``, clipped to it."""
+    start, end = shard_range(numel, world_size, which)
+    return range(min(start + tile.start, end), min(start + tile.stop, end))
 
 
 def _barrier(rank: int, pid: int, world_size: int) -> list[Step]:
