@@ -34,6 +34,8 @@ WORLD_SIZE = 2
 SCENARIOS = {
     "nccl_debug_info": ("none", {"NCCL_DEBUG": "INFO"}),
     "skipped_collective": ("skip", {}),
+    "async_error_handling": ("skip", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                                      "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}),
     "blocking_wait": ("skip", {"TORCH_NCCL_BLOCKING_WAIT": "1"}),
     "flight_recorder": ("skip", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                                  "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -65,25 +67,45 @@ def rank_main(rank: int, port: int, fault: str) -> None:
     dist.all_reduce(t)
     torch.cuda.synchronize()
     print(f"rank {rank}: step 1 all-reduce done, sum {t[0].item():g}", flush=True)
+    if fault == "skip" and rank == 1:
+        print("rank 1: skips step 2's all-reduce", flush=True)
+        time.sleep(TIMEOUT_S + 15)  # stands for work that never reaches the collective
+        os._exit(0)
     try:
-        if fault == "skip" and rank == 1:
-            time.sleep(TIMEOUT_S + 12)  # stands for work that never reaches the collective
-        elif fault == "order":
-            for op in ([dist.all_reduce, dist.broadcast] if rank == 0 else
-                       [dist.broadcast, dist.all_reduce]):
-                op(t, 0) if op is dist.broadcast else op(t)
-        elif fault == "shape":
-            t = torch.ones(4 + rank, device="cuda")
-            dist.all_reduce(t)
+        works = []
+        if fault == "order":
+            ops = [dist.all_reduce, dist.broadcast] if rank == 0 else [dist.broadcast, dist.all_reduce]
+            works = [op(t, 0, async_op=True) if op is dist.broadcast else op(t, async_op=True)
+                     for op in ops]
         else:
-            dist.all_reduce(t)
-        torch.cuda.synchronize()
+            if fault == "shape":
+                t = torch.ones(4 + rank, device="cuda")
+            works = [dist.all_reduce(t, async_op=True)]
+        for work in works:
+            if os.environ.get("TORCH_NCCL_BLOCKING_WAIT") == "1":
+                work.wait()  # blocking wait: the timeout is raised here, in Python
+            else:
+                _poll(work)
         print(f"rank {rank}: step 2 returned, tensor {t.tolist()}", flush=True)
     except Exception as exc:  # what the learner's script would see; recorded, then exit
         print(f"rank {rank}: step 2 raised {type(exc).__name__}: {exc}", flush=True)
         os._exit(1)
     dist.destroy_process_group()
     print(f"rank {rank}: finished", flush=True)
+
+
+def _poll(work, limit_s: float = TIMEOUT_S + 20) -> None:
+    """Wait for ``work`` while sleeping in Python, so that torch's watchdog threads can run."""
+    import torch
+
+    t0 = time.monotonic()
+    while not work.is_completed():
+        if time.monotonic() - t0 > limit_s:
+            print(f"step 2 still not completed after {limit_s:g} s", flush=True)
+            os._exit(3)
+        time.sleep(0.05)
+    work.wait()  # raises if the work failed
+    torch.cuda.synchronize()
 
 
 def _free_port() -> int:
@@ -113,8 +135,12 @@ def scrub(text: str) -> str:
     return text
 
 
+_NATIVE_FRAME = re.compile(r"^frame #\d+: ")  # C++ stack frames: addresses, no news
+
+
 def _trim(text: str, head: int = 40, tail: int = 30) -> list[str]:
-    lines = [line.rstrip()[:600] for line in scrub(text).splitlines() if line.strip()]
+    lines = [line.rstrip()[:600] for line in scrub(text).splitlines()
+             if line.strip() and not _NATIVE_FRAME.match(line)]
     if len(lines) <= head + tail:
         return lines
     return lines[:head] + [f"... {len(lines) - head - tail} lines left out ..."] + lines[-tail:]
