@@ -16,6 +16,9 @@ sockets in that folder (jupyter_client's ``ipc`` transport, relative names, so
 both sides use the same ones): the kernel has no network, not even the
 machine's loopback. This process, outside the sandbox, writes OUT and PROGRESS
 where the kernel cannot reach them.
+
+:func:`execute` is the grader's side: it starts this process, watches PROGRESS and
+stops everything at the time limit.
 """
 
 from __future__ import annotations
@@ -23,8 +26,19 @@ from __future__ import annotations
 import importlib.abc
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from dpcourse.grading import procs
+from dpcourse.grading.report import strip_ansi
+
+KERNEL_START = 60.0  # seconds for the kernel to come up, on top of the notebook's time limit
 
 
 class _NoIriSyntax(importlib.abc.MetaPathFinder):
@@ -117,6 +131,125 @@ def main(src: str, dst: str, progress_path: str, sandbox: str | None = None) -> 
     progress.write(f"end {status} {index} {message.replace(chr(10), ' ')}\n")
     progress.close()
     return 0
+
+
+
+@dataclass
+class Execution:
+    """How a notebook's run ended."""
+
+    status: str          # ok, error, timeout, died, unreadable
+    stop: int | None     # index of the cell that failed or was running, if any
+    message: str
+    executed: object = None  # the executed notebook (nbformat), if any
+    cell_seconds: float = 0.0  # from the kernel being ready to the end of the run
+
+
+def _kernel_env(scratch: str) -> dict:
+    """The kernel's whole environment inside the sandbox (its home and temp are its own)."""
+    from dpcourse.grading.runner import SKIP_ENV
+
+    return {"JUPYTER_PLATFORM_DIRS": "1", "PYDEVD_DISABLE_FILE_VALIDATION": "1", SKIP_ENV: "1",
+            "IPYTHONDIR": os.path.join(scratch, ".ipython"),
+            "MPLCONFIGDIR": os.path.join(scratch, ".mpl"),
+            "JUPYTER_RUNTIME_DIR": os.path.join(scratch, ".runtime")}
+
+
+def _env(work: str) -> dict:
+    from dpcourse.grading.runner import SKIP_ENV
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPCOURSE_")}
+    for key, sub in (("TMPDIR", "tmp"), ("JUPYTER_RUNTIME_DIR", "runtime"),
+                     ("IPYTHONDIR", "ipython"), ("MPLCONFIGDIR", "mpl")):
+        os.makedirs(os.path.join(work, sub), exist_ok=True)
+        env[key] = os.path.join(work, sub)
+    env.update(JUPYTER_PLATFORM_DIRS="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
+    env[SKIP_ENV] = "1"  # the notebook's own check() calls defer to the grader
+    return env
+
+
+def _progress(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def execute(nb, timeout: float, sandbox=None) -> Execution:
+    """Run notebook ``nb`` in an owned kernel; kill everything at ``timeout`` s of cell time.
+
+    With ``sandbox`` (a :class:`~dpcourse.grading.sandbox.Sandbox`) the kernel runs in it,
+    its scratch folder the notebook's working directory.
+    """
+    import nbformat
+
+    work = tempfile.mkdtemp(prefix="dpcourse-grade-")
+    src, dst, progress = (os.path.join(work, n) for n in ("in.ipynb", "out.ipynb", "progress"))
+    run_dir = os.path.join(work, "run")
+    os.makedirs(run_dir)
+    nbformat.write(nb, src)
+    argv = [sys.executable, "-m", "dpcourse.grading.executor", src, dst, progress]
+    if sandbox is not None:
+        argv.append(json.dumps({"bwrap": sandbox.bwrap, "package": sandbox.package,
+                                "disable_userns": sandbox.disable_userns,
+                                "env": _kernel_env(run_dir)}))
+    before = {p.pid for p in psutil.Process().children()}
+    proc = None
+    try:
+        with open(os.path.join(work, "executor.log"), "wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                cwd=run_dir, env=_env(work), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True)
+        started, deadline = time.monotonic(), None
+        while True:
+            lines = _progress(progress)
+            if deadline is None and "ready" in lines:
+                deadline = time.monotonic() + timeout
+            if proc.poll() is not None:
+                break
+            now = time.monotonic()
+            if deadline is None and now - started > KERNEL_START:
+                return Execution("error", None, f"the kernel did not start within "
+                                 f"{KERNEL_START:g} s")
+            if deadline is not None and now > deadline:
+                running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
+                cell = running[-1] if running else None
+                procs.kill_tree([proc.pid])
+                procs.kill_new_children(before)
+                return Execution("timeout", cell, f"cell {cell} was still running at the time "
+                                 f"limit ({timeout:g} s); it and everything it started were "
+                                 "stopped", _read(dst), time.monotonic() - deadline + timeout)
+            procs.reap(keep=before | {proc.pid})  # orphans the notebook left, as they end
+            time.sleep(0.1)
+        spent = time.monotonic() - deadline + timeout if deadline is not None else 0.0
+        lines = _progress(progress)
+        end = [ln for ln in lines if ln.startswith("end ")]
+        running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
+        if not end:
+            cell = running[-1] if running else None
+            return Execution("died", cell, f"the notebook's process ended during cell {cell} "
+                             "(killed?)", _read(dst), spent)
+        _, status, index, *message = end[-1].split(" ", 3)
+        message = strip_ansi(message[0] if message else "")
+        if status == "ok":
+            return Execution("ok", None, "", _read(dst), spent)
+        return Execution(status, int(index), f"cell {index}: {message}", _read(dst), spent)
+    finally:
+        if proc is not None:
+            procs.kill_tree([proc.pid])
+        procs.kill_new_children(before)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _read(path: str):
+    import nbformat
+
+    try:
+        return nbformat.read(path, as_version=4)
+    except Exception:  # noqa: BLE001 - a notebook cut short, or overwritten by the kernel
+        return None
 
 
 if __name__ == "__main__":

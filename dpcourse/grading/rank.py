@@ -17,16 +17,15 @@ import socket
 import sys
 import traceback
 
+# Besides these, every check's ``*_verdicts`` module (see ``Exercise.verdicts``).
 BLOCKED = ("dpcourse.grading.oracles", "dpcourse.grading.runner", "dpcourse.grading.world",
            "dpcourse.grading.relay", "dpcourse.grading.autograde", "dpcourse.grading.gradebook",
-           "dpcourse.grading.executor", "dpcourse.grading.integrity",
-           "dpcourse.grading.checks.join_verdicts",
-           "dpcourse.grading.checks.feedback_verdicts", "dpcourse.grading.checks.fsdp_verdicts")
+           "dpcourse.grading.executor", "dpcourse.grading.integrity")
 
 
 class _Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name in BLOCKED:
+        if name in BLOCKED or name.startswith("dpcourse.grading.") and name.endswith("_verdicts"):
             raise ImportError(f"{name} is the grader's own code and is not available to graded "
                               "code.")
         return None

@@ -30,12 +30,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-# Modules of the grader that graded code never needs: the answers, the judging of whole
-# notebooks, and the reports. Left out of the copy the sandbox sees.
+# Modules of the grader that graded code never needs: the answers (and every check's
+# ``*_verdicts.py``), the judging of whole notebooks, and the reports. Left out of the
+# copy the sandbox sees.
 GRADER_ONLY = ("grading/oracles.py", "grading/autograde.py", "grading/gradebook.py",
                "grading/executor.py", "grading/integrity.py", "grading/make_exercises.py",
-               "grading/sandbox.py", "grading/checks/join_verdicts.py",
-               "grading/checks/feedback_verdicts.py", "grading/checks/fsdp_verdicts.py")
+               "grading/sandbox.py")
 _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group",
         "/etc/nsswitch.conf", "/etc/localtime", "/etc/alternatives")
 _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM")
@@ -59,7 +59,7 @@ def package_copy(dest: str) -> str:
         os.makedirs(os.path.join(dest, "dpcourse", rel), exist_ok=True)
         for name in names:
             key = os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/")
-            if name.endswith((".pyc", ".pyo")) or key in GRADER_ONLY:
+            if name.endswith((".pyc", ".pyo", "_verdicts.py")) or key in GRADER_ONLY:
                 continue
             shutil.copy2(os.path.join(folder, name), os.path.join(dest, "dpcourse", rel, name))
     return dest

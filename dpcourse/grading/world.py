@@ -26,11 +26,13 @@ import time
 from dpcourse.grading import procs, wire
 from dpcourse.grading.relay import Failure, MessageRelay, Round, allowed_ops
 
-_KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT")
+_KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT", "CUDA_VISIBLE_DEVICES")
+# The machine's GPU settings (e.g. NVLink multicast switched off) hold for graded GPU ranks too.
+_KEEP_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
 
 
 def _env(tmp: str) -> dict:
-    env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
+    env = {k: v for k, v in os.environ.items() if k in _KEEP_ENV or k.startswith(_KEEP_PREFIXES)}
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env.update(PYTHONPATH=package_root, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1", TMPDIR=tmp, PYTHONUNBUFFERED="1")

@@ -27,12 +27,13 @@ from dpcourse.grading.checks.ex12_nvlink_kernels import NvlinkKernels
 from dpcourse.grading.checks.ex13_sharded_step import ShardedStep
 from dpcourse.grading.checks.ex14_fsdp_hooks import FSDPHooks
 from dpcourse.grading.checks.ex15_debugging import DebuggingFixes
+from dpcourse.grading.checks.ex16_torch_tools import ClipSharded
 
 REGISTRY: dict[str, type[Exercise]] = {c.name: c for c in (
     UnevenAllGather, NaiveDDP, RingAllReduce, AssignBuckets, OverlappedDDP, NoSync, RingCost,
     MeanGradient, BuffersUnused, HalvingDoubling, FirstBucket, ArrivalOrderDDP, TokenWeighted,
     CheckpointResume, JoinShadow, ErrorFeedbackHook, NvlinkKernels, ShardedStep, FSDPHooks,
-    DebuggingFixes)}
+    DebuggingFixes, ClipSharded)}
 
 __all__ = ["REGISTRY", "Exercise", "CaseVerdict", "available_checks", "get_spec", "for_notebook"]
 

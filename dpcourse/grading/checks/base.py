@@ -5,11 +5,16 @@
   this rank's inputs and returns the outputs; it never sees an expected value.
 - :meth:`Exercise.judge` runs in the grader: it compares the outputs (and the
   grader's record of every message) with :mod:`dpcourse.grading.oracles`.
+
+When a criterion can fail for several causes, :func:`follow_causes` picks the hint
+for the cause of the first failing case the report shows, so the hint never
+contradicts the why-line above it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from dpcourse.grading.criteria import Criterion
 
@@ -44,6 +49,8 @@ class Exercise:
             ``tempfile``'s folder. Otherwise ranks share nothing on disk.
         points: the check's maximum.
         notes: lines shown under every report.
+        verdicts: the grader's module (ranks cannot import it) whose ``judge(world_size,
+            inputs, outputs, events)`` is this check's :meth:`judge`, if it has one.
         needs: the hardware the check runs on, when it needs more than CPUs (e.g. "at least
             2 NVLink-connected GPUs"); :meth:`unavailable_here` says when this machine lacks it.
     """
@@ -62,6 +69,7 @@ class Exercise:
     shared_folder = False
     points = 10.0
     notes: tuple[str, ...] = ()
+    verdicts = ""
     needs = ""
 
     def unavailable_here(self) -> str | None:
@@ -88,7 +96,15 @@ class Exercise:
 
     def judge(self, world_size: int, inputs: list, outputs: list, events: list) -> list[CaseVerdict]:
         """Compare every rank's ``outputs`` (and message ``events``) with the oracles."""
-        raise NotImplementedError
+        if not self.verdicts:
+            raise NotImplementedError
+        import importlib
+
+        module = importlib.import_module(self.verdicts)
+        recs = module.judge(world_size, inputs, outputs, events)
+        if hasattr(module, "cause"):  # a hint for the cause the grader saw (follow_causes)
+            follow_causes(self, recs, lambda rec: module.cause(self, world_size, rec))
+        return recs
 
     def explain(self, text: str) -> str:
         """Return a hint for an error the learner's code raised, or ``""``."""
@@ -103,3 +119,34 @@ def begin(link, case: str) -> None:
 def events_of(events: list, case: str) -> list:
     """The events a rank produced while running ``case``."""
     return [e for e in events if e.get("case") == case and e["op"] != "begin"]
+
+
+def follow_causes(spec: Exercise, records: list[CaseVerdict],
+                  choose: Callable[[CaseVerdict], str]) -> None:
+    """Give each criterion the hint ``choose`` returns for its first failing record.
+
+    Call it from ``judge`` with the records of each round, in order: the first
+    failing record of a criterion is the one its report shows, so a later round
+    never replaces the hint of an earlier one.
+
+    Args:
+        spec: the check being judged; its ``criteria`` are replaced on this instance only.
+        records: the records of this round, in the order ``judge`` returns them.
+        choose: the hint for a failing record, or ``""`` to keep the criterion's own.
+    """
+    seen = spec.__dict__.setdefault("_hinted", set())
+    hints = {}
+    for r in records:
+        if r.passed or r.criterion in seen:
+            continue
+        seen.add(r.criterion)
+        hint = choose(r)
+        if hint:
+            hints[r.criterion] = hint
+    if hints:
+        spec.criteria = tuple(replace(c, hint=hints.get(c.name, c.hint)) for c in spec.criteria)
+
+
+def failed(spec: Exercise, criterion: str) -> bool:
+    """Whether an earlier :func:`follow_causes` call saw ``criterion`` fail."""
+    return criterion in spec.__dict__.get("_hinted", set())

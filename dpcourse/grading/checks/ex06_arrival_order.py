@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
+from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, follow_causes
 from dpcourse.grading.checks.ex06_overlap import carried_over, mark_carried, reset_cause
-from dpcourse.grading.checks.hints import follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, P2P
 

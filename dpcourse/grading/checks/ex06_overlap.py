@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, CaseVerdict
-from dpcourse.grading.checks.hints import follow_causes
+from dpcourse.grading.checks.base import CaseVerdict, Exercise, follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 
-from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
-from dpcourse.grading.checks.hints import follow_causes
+from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, follow_causes
 from dpcourse.grading.criteria import Criterion, no_delegation
 
 HD = "halving_doubling"

@@ -108,14 +108,8 @@ class ErrorFeedbackHook(Exercise):
             out.append({"grads": grads})
         return out
 
-    @staticmethod
-    def rank_run(link, learner, inputs):
-        return feedback_reducer.rank_run(link, learner, inputs)
-
-    def judge(self, ws, inputs, outputs, events):
-        from dpcourse.grading.checks.feedback_verdicts import judge
-
-        return judge(ws, inputs, outputs, events)
+    rank_run = staticmethod(feedback_reducer.rank_run)
+    verdicts = "dpcourse.grading.checks.feedback_verdicts"
 
     def explain(self, text):
         if "'NoneType' object" in text or "KeyError" in text:

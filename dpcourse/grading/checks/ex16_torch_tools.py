@@ -1,0 +1,146 @@
+"""Exercise 16: clip gradients that are sharded across ranks, as torch does for DTensor gradients.
+
+The learner writes ``clip_sharded_(shards, max_norm, norm_type=2.0, group=None)``.
+Each rank holds, for every parameter, its chunk of the flattened gradient (padded
+with zeros to ``N`` equal chunks, as FSDP shards). The function must scale every
+shard in place exactly as ``torch.nn.utils.clip_grad_norm_`` scales the whole
+gradient in one process, and return the total norm (a 0-d tensor, equal on every
+rank). The grader builds the whole gradients, cuts them into the ranks' chunks,
+and asks torch's ``clip_grad_norm_`` for the expected norm and gradients; graded
+code may use ``all_reduce`` (and broadcast, barrier), and the grader's record of
+every collective shows whether one scalar or the gradients crossed the wire.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
+from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
+from dpcourse.grading.shim import COLLECTIVES
+
+RTOL, ATOL = 1e-5, 1e-7
+# (label, the criterion it grades, norm_type, total norm / max_norm: > 1 clips)
+CASES = (("l2, clipped", "total_norm", 2.0, 4.0), ("l2, below max_norm", "no_clip_below", 2.0, 0.5),
+         ("inf, clipped", "inf_norm", math.inf, 3.0))
+
+
+def _full_and_chunks(gen, world: int, sizes):
+    """Whole gradients of the given sizes, and per rank its zero-padded chunk of each."""
+    full = [torch.randn(n, generator=gen) for n in sizes]
+    chunks = [[] for _ in range(world)]
+    for g in full:
+        c = -(-g.numel() // world)
+        padded = torch.cat([g, g.new_zeros(world * c - g.numel())])
+        for r in range(world):
+            chunks[r].append(padded[r * c:(r + 1) * c].clone())
+    return full, chunks
+
+
+def _torch_clip(full, max_norm, norm_type):
+    """What torch's clip_grad_norm_ gives in one process: (total norm, clipped gradients)."""
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
+    for p, g in zip(params, full):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return norm, [p.grad for p in params]
+
+
+class ClipSharded(Exercise):
+    """``clip_sharded_(shards, max_norm, norm_type=2.0, group=None)``: torch's clipping, sharded."""
+
+    name, exercise, title = "clip_sharded", "16", "Clipping sharded gradients"
+    defines = (("main", "clip_sharded_"),)
+    world_sizes = (2, 3)
+    dist_api = COLLECTIVES
+    dist_why = "Clipping needs one all-reduce of a scalar (broadcast and barrier also exist here)."
+    criteria = (
+        Criterion("total_norm", "the returned norm equals clip_grad_norm_'s total norm of the "
+                  "whole gradient, on every rank (2-norm)",
+                  "Each rank sees only its shards: their norm is not the whole gradient's. Norms "
+                  "do not add up across ranks, their squares do: reduce the sum of squares over "
+                  "the ranks, then take the root.", weight=3),
+        Criterion("clips_shards", "every shard ends scaled as clip_grad_norm_ scales the whole "
+                  "gradient (the same factor max_norm / (norm + 1e-6) on every rank)",
+                  "The shards were not scaled by the factor torch uses: every rank must scale by "
+                  "the same factor, computed from the total norm, in place.", weight=3,
+                  needs=("total_norm",)),
+        Criterion("no_clip_below", "with a total norm below max_norm the shards are unchanged",
+                  "A gradient whose norm is below max_norm is left as it is: the factor is "
+                  "capped at 1, never above.", needs=("total_norm",)),
+        Criterion("inf_norm", "norm_type=inf gives the largest absolute value over all ranks' "
+                  "shards, and clips by it", "The infinity norm is a maximum: the ranks' partial "
+                  "results combine with MAX, not with a sum, and no root is taken."),
+        Criterion("one_scalar", "each call sends one all-reduce of one number: the gradients "
+                  "never cross the wire", "More than one number crossed the wire: the ranks need "
+                  "only each other's partial norm, one scalar, not their shards.",
+                  needs=("total_norm",)),
+        no_delegation("total_norm"), no_deadlock("total_norm"),
+    )
+    notes = (f"compared with torch.nn.utils.clip_grad_norm_ on the whole gradient, rtol={RTOL:g}, "
+             f"atol={ATOL:g}; world sizes 2 and 3; fresh random gradients and sizes on each run",)
+
+    def make_inputs(self, rng, world_size):
+        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        per_rank = [{"cases": []} for _ in range(world_size)]
+        for label, crit, norm_type, ratio in CASES:
+            sizes = [rng.randrange(1, 40) for _ in range(3)] + [1]  # one smaller than the world
+            full, chunks = _full_and_chunks(gen, world_size, sizes)
+            whole = torch.cat(full)
+            norm = whole.abs().max() if norm_type == math.inf else whole.norm()
+            for r in range(world_size):
+                per_rank[r]["cases"].append(dict(label=label, crit=crit, norm_type=norm_type,
+                                                 max_norm=float(norm) / ratio, sizes=sizes,
+                                                 shards=chunks[r]))
+        return per_rank
+
+    @staticmethod
+    def rank_run(link, learner, inputs):
+        out = []
+        for case in inputs["cases"]:
+            shards = [s.clone() for s in case["shards"]]
+            begin(link, case["label"])
+            got = learner["main"](shards, case["max_norm"], case["norm_type"])
+            out.append({"norm": torch.as_tensor(got).detach().clone() if isinstance(got, (torch.Tensor, float))
+                        else type(got).__name__, "shards": shards})
+        return out
+
+    def judge(self, ws, inputs, outputs, events):
+        recs = []
+        for k, case in enumerate(inputs[0]["cases"]):
+            label, crit = case["label"], case["crit"]
+            full = [torch.cat([inputs[r]["cases"][k]["shards"][j] for r in range(ws)])[:n]
+                    for j, n in enumerate(case["sizes"])]
+            want_norm, want = _torch_clip(full, case["max_norm"], case["norm_type"])
+            for r in range(ws):
+                got = outputs[r][k]
+                recs.append(self._norm(got["norm"], want_norm, inputs[r]["cases"][k]["shards"], r, crit, label))
+                expect = [self._chunk(w, ws, r) for w in want]
+                diffs = [mismatch(g, e, RTOL, ATOL) for g, e in zip(got["shards"], expect)]
+                bad = next((d for d in diffs if d), "")
+                shard_crit = "clips_shards" if crit == "total_norm" else crit
+                recs.append(CaseVerdict(shard_crit, not bad, f"rank {r}'s shards: {bad}", label))
+                sent = [e for e in events_of(events[r], label) if e["op"] != "barrier"]
+                one = len(sent) == 1 and sent[0]["op"] == "all_reduce" and sent[0]["nbytes"] <= 8
+                recs.append(CaseVerdict("one_scalar", one, f"rank {r} issued " + ", ".join(
+                    f"{e['op']} of {e['nbytes']} bytes" for e in sent) if sent else "nothing", label))
+        return recs
+
+    @staticmethod
+    def _chunk(whole, ws, r):
+        c = -(-whole.numel() // ws)
+        return torch.cat([whole, whole.new_zeros(ws * c - whole.numel())])[r * c:(r + 1) * c]
+
+    @staticmethod
+    def _norm(got, want, mine, rank, crit, label) -> CaseVerdict:
+        name = "inf_norm" if crit == "inf_norm" else "total_norm"
+        if not isinstance(got, torch.Tensor) or got.numel() != 1:
+            return CaseVerdict(name, False, f"rank {rank} returned {got}, expected a 0-d tensor", label)
+        if torch.allclose(got.double().reshape(()), want.double(), rtol=RTOL, atol=ATOL):
+            return CaseVerdict(name, True, "", label)
+        local = torch.cat(mine).abs().max() if crit == "inf_norm" else torch.cat(mine).norm()
+        why = " (this rank's own shards' norm)" if torch.allclose(got.reshape(()), local, rtol=RTOL) else ""
+        return CaseVerdict(name, False, f"rank {rank} returned {got.item():.6g}{why}, torch's "
+                           f"clip_grad_norm_ gives {want.item():.6g}", label)
