@@ -49,7 +49,7 @@ def main(fd: int) -> None:
 
     from dpcourse.grading import shim, wire
     from dpcourse.grading.graded_imports import make_builtins, rebind
-    from dpcourse.grading.link import Link
+    from dpcourse.grading.wire import Link
     from dpcourse.grading.checks import get_spec
     from dpcourse.grading.submission import load
 

@@ -19,7 +19,7 @@ import types
 
 import torch
 
-from dpcourse.grading.link import Link, Work
+from dpcourse.grading.wire import Link, Work
 
 P2P = ("send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier")
