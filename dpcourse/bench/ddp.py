@@ -19,7 +19,7 @@ from dpcourse.device import rank_device
 
 VARIANTS = ("local", "naive", "bucketed", "overlapped", "torch_ddp")
 # Also accepted (not in the default list): sharded data parallelism, see dpcourse.bench.sharded.
-SHARDED = ("zero1", "zero2", "fsdp", "torch_fsdp")
+SHARDED = ("zero1", "zero2", "fsdp", "torch_fsdp", "torch_fsdp_tuned")
 KERNEL_VARIANTS = ("overlapped_one_shot", "overlapped_two_shot")  # GPUs joined by NVLink only
 
 

@@ -9,6 +9,7 @@ Variants (each trains its own GPT, same seed, AdamW):
 * ``fsdp``: our :class:`~dpcourse.fsdp.FullyShardedDataParallel`, ``compute_dtype=bf16``.
 * ``torch_fsdp``: torch's ``fully_shard`` on every block and the root, bf16 parameters and
   gradient reduction (the same policy as ``fsdp``).
+* ``torch_fsdp_tuned``: ``fully_shard`` as torchtitan configures it (:func:`tuned_fully_shard`).
 
 Step times are interleaved (:func:`dpcourse.bench.timing.time_interleaved`); memory is
 measured with each variant alone on the device (peak of ``torch.cuda.max_memory_allocated``
@@ -27,7 +28,7 @@ from dpcourse.bench.workload import (adamw, adamw_options, autocast_dtype, gpt_c
                                      make_step)
 from dpcourse.device import rank_device
 
-SHARDED_VARIANTS = ("torch_ddp", "zero1", "zero2", "fsdp", "torch_fsdp")
+SHARDED_VARIANTS = ("torch_ddp", "zero1", "zero2", "fsdp", "torch_fsdp", "torch_fsdp_tuned")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,32 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         return model, adamw(model.parameters(), device), None, list(model.parameters())
+    if variant == "torch_fsdp_tuned":
+        return tuned_fully_shard(model, low), adamw(model.parameters(), device), None, \
+            list(model.parameters())
     raise ValueError(f"unknown variant {variant!r}: choose from {SHARDED_VARIANTS}.")
+
+
+def tuned_fully_shard(model, param_dtype: torch.dtype | None):
+    """Apply torch's ``fully_shard`` to a GPT as torchtitan configures it; return the model.
+
+    Each block is its own group and resharded after forward except the last (backward
+    needs it at once); the root (embeddings, final norm, the tied head) is not resharded
+    after forward; each block's forward prefetches the next block's all-gather and its
+    backward the previous one's; weights in ``param_dtype``, gradients reduced in fp32
+    (torchtitan's default ``mixed_precision_reduce``).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+    for before, after in zip(blocks, blocks[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+    return model
 
 
 def count_parameters(cfg) -> int:
@@ -194,7 +220,7 @@ def sharded_step_times(variants=SHARDED_VARIANTS, *, config: str = "auto", batch
         rows.append(row)
     by = {r["variant"]: r["median_s"] for r in rows}
     for r in rows:
-        for ref in ("torch_ddp", "torch_fsdp"):
+        for ref in ("torch_ddp", "torch_fsdp", "torch_fsdp_tuned"):
             r[f"vs_{ref}"] = r["median_s"] / by[ref] if ref in by else None
     del steps, keep
     return rows

@@ -1,6 +1,6 @@
 """Run the sharded benchmarks on this machine's GPUs and write one JSON per measurement.
 
-Usage: ``python -m dpcourse.bench.sharded_report OUT_DIR [--skip-capacity]``.
+Usage: ``python -m dpcourse.bench.sharded_report OUT_DIR [--skip-capacity] [--steps-only]``.
 Writes ``zero-fsdp-<N>x-<gpu>.json`` (step time and memory per variant and rank),
 ``fsdp-timeline-<N>x-<gpu>.json`` and ``capacity-<N>x-<gpu>.json`` into OUT_DIR.
 """
@@ -34,15 +34,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("--skip-capacity", action="store_true")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="only the step-time and memory comparison (no timeline, no capacity)")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     world = torch.cuda.device_count()
     env = environment("nccl", world)
     tag = f"{world}x-{slug(torch.cuda.get_device_name(0))}"
-    stages = [("zero-fsdp", "rows_per_rank", sharded_step_times, {"iters": args.iters}),
-              ("fsdp-timeline", "per_rank", fsdp_timeline, {})]
-    if not args.skip_capacity:
+    stages = [("zero-fsdp", "rows_per_rank", sharded_step_times, {"iters": args.iters})]
+    if not args.steps_only:
+        stages.append(("fsdp-timeline", "per_rank", fsdp_timeline, {}))
+    if not (args.skip_capacity or args.steps_only):
         stages.append(("capacity", "per_rank", model_capacity, {}))
     failed = 0
     for name, key, fn, kwargs in stages:
