@@ -24,6 +24,8 @@ from dpcourse.grading.wire import Link, Work
 P2P = ("send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier")
 SHARDED = ("all_gather_into_tensor", "reduce_scatter_tensor")  # FSDP's and ZeRO's halves
+SHARDED_WHY = ("Sharding (ZeRO, FSDP) needs only all_gather_into_tensor and reduce_scatter_tensor "
+               "(all_reduce, broadcast and barrier also exist here).")
 
 
 class ReduceOp:

@@ -16,8 +16,9 @@ import contextlib
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import CaseVerdict, begin, events_of
+from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
 from dpcourse.grading.criteria import Criterion, mismatch, tolerance
+from dpcourse.grading.shim import COLLECTIVES, P2P
 
 IN, HIDDEN, MID, OUT = 8, 16, 12, 4
 BATCH = 4     # samples per rank and micro-batch
@@ -48,6 +49,14 @@ NONE_GRAD_HINT = (
     "p.grad is None inside your hook: a hook registered with register_hook runs before the "
     "gradient is accumulated into p.grad (it receives the gradient as its argument), so it "
     "fired too early to read p.grad; lesson 06 names the kind of hook that runs after.")
+
+
+class DDPExercise(Exercise):
+    """A check of a data-parallel wrapper or training loop: 2 ranks, messages and collectives."""
+
+    world_sizes = (2,)
+    dist_api = P2P + COLLECTIVES
+    timeout = 45.0
 
 
 def tolerance_note() -> str:

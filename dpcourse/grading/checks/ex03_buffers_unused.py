@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
+from dpcourse.grading.checks.base import CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
-from dpcourse.grading.shim import COLLECTIVES, P2P
 
 EXTRA_USED = ((0,), (), None)  # ranks that use ``extra`` in each step: some, none, all
 # Samples per rank and step. Batch norm divides by the batch's standard deviation, and
@@ -120,14 +119,12 @@ def ddp_reference(seed0: int, batches: list, lr: float) -> dict:
     return out
 
 
-class BuffersUnused(Exercise):
+class BuffersUnused(d.DDPExercise):
     """``CompleteNaiveDDP(module)``: buffers follow rank 0; unused and frozen layers handled."""
 
     name, exercise, title = "naive_ddp_complete", "03", "Naive DDP with buffers and unused layers"
     defines = (("main", "CompleteNaiveDDP"),)
     world_sizes = (2, 3)
-    dist_api = P2P + COLLECTIVES
-    timeout = 45.0
     criteria = (
         Criterion("initial_broadcast", "after construction every rank holds rank 0's parameters "
                   "and buffers", "The ranks differ right after construction: each started from "

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, CaseVerdict
+from dpcourse.grading.checks.base import CaseVerdict
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
-from dpcourse.grading.shim import COLLECTIVES, P2P
 
 
-class NaiveDDP(Exercise):
+class NaiveDDP(d.DDPExercise):
     """``NaiveDDP(module)``: broadcast at start, one all-reduce per parameter, averaged."""
 
     name, exercise, title = "naive_ddp", "03", "Naive data parallelism"
     defines = (("main", "NaiveDDP"),)
     world_sizes = (2, 3)
-    dist_api = P2P + COLLECTIVES
-    timeout = 45.0
     criteria = (d.C_DDP, d.C_BROADCAST, d.C_AVERAGED, d.C_SINGLE, Criterion(
         "one_all_reduce_per_parameter", "each step all-reduces every parameter's gradient once",
         "The number of all-reduces per step differs from the number of trainable parameters: "

@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, follow_causes
+from dpcourse.grading.checks.base import CaseVerdict, begin, follow_causes
 from dpcourse.grading.checks.ex06_overlap import carried_over, mark_carried, reset_cause
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
-from dpcourse.grading.shim import COLLECTIVES, P2P
 
 MIB = d.MIB
 CAPS = (700 / MIB, 0.0)
@@ -54,14 +53,11 @@ def arrival_order() -> list[int]:
     return order
 
 
-class ArrivalOrderDDP(Exercise):
+class ArrivalOrderDDP(d.DDPExercise):
     """``ArrivalOrderDDP(module, bucket_cap_mb=...)``: buckets rebuilt in step 1's arrival order."""
 
     name, exercise, title = "arrival_order", "06", "Buckets in the order gradients arrive"
     defines = (("main", "ArrivalOrderDDP"),)
-    world_sizes = (2,)
-    dist_api = P2P + COLLECTIVES
-    timeout = 45.0
     criteria = (
         Criterion("matches_torch_ddp", "parameters after each of 3 SGD steps equal what torch "
                   "DDP computes, the first step included", "Some step's gradients are not "

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict, Exercise, follow_causes
+from dpcourse.grading.checks.base import CaseVerdict, follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
-from dpcourse.grading.shim import COLLECTIVES, P2P
 
 MIB = d.MIB
 CAPS = (500 / MIB, 0.0)  # a few buckets, then one per parameter
@@ -45,16 +44,13 @@ def reset_cause(rec: CaseVerdict) -> str:
     return RESET_HINT if CARRIED in rec.detail else ""
 
 
-class OverlappedDDP(Exercise):
+class OverlappedDDP(d.DDPExercise):
     """``OverlappedDDP(module, bucket_cap_mb=...)``: bucketed all-reduces started from hooks."""
 
     name, exercise, title = "overlapped_ddp", "06", "Overlapped bucketed data parallelism"
     defines = (("main", "OverlappedDDP"),)
-    world_sizes = (2,)
-    dist_api = P2P + COLLECTIVES
     allowed_imports = {"dpcourse.ddp": {"assign_buckets"}, "dpcourse.ddp.buckets":
                        {"assign_buckets"}}
-    timeout = 45.0
     criteria = (d.C_DDP, d.C_BROADCAST, d.C_AVERAGED, d.C_SINGLE,
                 Criterion("one_all_reduce_per_bucket", "each step issues exactly one all-reduce "
                           "per bucket (bucket_cap_mb = 500 bytes and 0)",

@@ -8,21 +8,17 @@ check (``token_weighted``).
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, CaseVerdict
+from dpcourse.grading.checks.base import CaseVerdict
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
-from dpcourse.grading.shim import COLLECTIVES, P2P
 
 ACCUMULATION = 4
 
 
-class NoSync(Exercise):
+class NoSync(d.DDPExercise):
     """Gradient accumulation: ``no_sync()`` on the learner's wrapper, and the accumulation loop."""
 
     name, exercise, title = "no_sync", "07", "Gradient accumulation with no_sync"
     defines = (("main", "HookedDDP"),)
-    world_sizes = (2,)
-    dist_api = P2P + COLLECTIVES
-    timeout = 45.0
     criteria = (
         d.C_DDP, d.C_SINGLE,
         Criterion("no_collective_inside_no_sync", "no all-reduce is issued inside no_sync()",

@@ -26,9 +26,9 @@ from torch import nn
 from torch.autograd import Variable
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
+from dpcourse.grading.checks.base import CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
-from dpcourse.grading.shim import COLLECTIVES, P2P, DistModule
+from dpcourse.grading.shim import COLLECTIVES, DistModule
 
 CASES = ("equal micro-batches", "uneven micro-batches", "uneven ranks")
 
@@ -93,14 +93,11 @@ def _fresh(params) -> bool:
     return all(p.grad is None or not bool(p.grad.any()) for p in params)
 
 
-class TokenWeighted(Exercise):
+class TokenWeighted(d.DDPExercise):
     """``accumulation_step(model, optimizer, micro_batches, loss_fn)`` with uneven micro-batches."""
 
     name, exercise, title = "token_weighted", "07", "Accumulation over uneven micro-batches"
     defines = (("main", "accumulation_step"),)
-    world_sizes = (2,)
-    dist_api = P2P + COLLECTIVES
-    timeout = 45.0
     criteria = (
         Criterion("zero_grad_once_per_step", "each step starts from empty gradients and keeps "
                   "every micro-batch's gradient until optimizer.step()",

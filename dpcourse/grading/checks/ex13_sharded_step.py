@@ -21,7 +21,7 @@ from torch import nn
 
 from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
-from dpcourse.grading.shim import COLLECTIVES, SHARDED
+from dpcourse.grading.shim import COLLECTIVES, SHARDED, SHARDED_WHY
 
 STEPS, BATCH = 2, 12
 TOL = (1e-4, 3e-5)  # fp32 AdamW over 2 steps: a rounding difference in a tiny gradient moves a
@@ -60,9 +60,7 @@ class ShardedStep(Exercise):
     name, exercise, title = "sharded_step", "13", "The sharded optimizer step (ZeRO-1)"
     defines = (("main", "zero_step"),)
     world_sizes = (3,)  # odd, and the 1-element bias leaves two ranks an empty shard
-    dist_api = SHARDED + COLLECTIVES
-    dist_why = ("ZeRO needs only reduce_scatter_tensor and all_gather_into_tensor (all_reduce, "
-                "broadcast and barrier also exist here).")
+    dist_api, dist_why = SHARDED + COLLECTIVES, SHARDED_WHY
     # The lesson's layout helpers, which the notebook imports (the grader's scan allows them).
     allowed_imports = {"dpcourse.zero": {"chunk_size", "shard_range"}}
     timeout = 60.0

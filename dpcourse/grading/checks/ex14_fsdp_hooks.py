@@ -27,7 +27,7 @@ import torch
 from dpcourse.grading.checks.base import Exercise
 from dpcourse.grading.checks.fsdp_watch import BATCH, IN, OUT, RUNS, STEPS, TOL, train
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
-from dpcourse.grading.shim import COLLECTIVES, SHARDED
+from dpcourse.grading.shim import COLLECTIVES, SHARDED, SHARDED_WHY
 
 
 class FSDPHooks(Exercise):
@@ -36,9 +36,7 @@ class FSDPHooks(Exercise):
     name, exercise, title = "fsdp_hooks", "14", "The hooks of an FSDP unit"
     defines = (("main", "UnitHooks"),)
     world_sizes = (2, 3)
-    dist_api = SHARDED + COLLECTIVES
-    dist_why = ("FSDP needs only all_gather_into_tensor and reduce_scatter_tensor (all_reduce, "
-                "broadcast and barrier also exist here).")
+    dist_api, dist_why = SHARDED + COLLECTIVES, SHARDED_WHY
     allowed_imports = {"dpcourse.fsdp.flat_params": {"FlatParams", "gathered"}}
     timeout = 60.0
     criteria = (
