@@ -154,6 +154,23 @@ def train_resumable(steps: int, folder: str | None = None, save_every: int = 2,
             "restart": restart}
 
 
+def init_attempt_process_group(backend: str = "gloo") -> None:
+    """Join the process group of this torchrun attempt, under a store prefix of its own.
+
+    torchrun's workers find each other through a key-value store that outlives a
+    restart. Each attempt (``TORCHELASTIC_RESTART_COUNT``) writes and reads its keys
+    under ``attempt-<n>/``, so a restarted worker never reads an address a worker of
+    the failed attempt wrote.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent holds it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not hosted and rank == 0)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{restart}", store),
+                            rank=rank, world_size=world)
+
+
 def main(argv=None) -> int:
     """Run :func:`train_resumable` as a torchrun worker; rank 0 saves the result to ``--out``."""
     import argparse
@@ -165,7 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--crash-at", type=int, default=-1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    dist.init_process_group("gloo")
+    init_attempt_process_group()
     try:
         result = train_resumable(args.steps, args.folder, args.save_every, args.crash_at)
         print(f"rank {dist.get_rank()}: restart {result['restart']}, started at step "
