@@ -39,3 +39,16 @@ def test_tuned_fully_shard_keeps_root_and_last_block_gathered_and_trains_like_th
         # The settings change where weights live between forward and backward, not the maths.
         assert rank["diff"] < 1e-6, rank
         assert rank["held"] == {"root": True, "first block": False, "last block": True}, rank
+
+
+def test_gpu_busy_merges_overlapping_kernels_and_fsdp_ranges_group_by_kind():
+    from dpcourse.bench.fsdp_anchor import fsdp_host_ranges, gpu_busy
+
+    events = [{"cat": "kernel", "ts": 0, "dur": 1000}, {"cat": "kernel", "ts": 500, "dur": 1000},
+              {"cat": "gpu_memcpy", "ts": 4000, "dur": 1000}, {"cat": "cpu_op", "ts": 0, "dur": 9000},
+              {"ph": "X", "name": "FSDP::pre_forward (blocks.0)", "dur": 2000},
+              {"ph": "X", "name": "FSDP::pre_forward (blocks.1)", "dur": 1000},
+              {"ph": "X", "name": "FSDP::backward_prefetch for blocks.3", "dur": 500}]
+    assert gpu_busy(events) == {"span_ms": 5.0, "busy_ms": 2.5}
+    assert fsdp_host_ranges(events) == {"FSDP::pre_forward": 3.0, "FSDP::backward_prefetch": 0.5}
+    assert gpu_busy([]) == {"span_ms": 0.0, "busy_ms": 0.0}
