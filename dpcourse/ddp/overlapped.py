@@ -19,7 +19,8 @@ One gradient's path, in this file but for the counting:
 3. :meth:`~DataParallelOverlapped._launch_bucket`: divide, then all-reduce the
    bucket's buffer asynchronously (``Bucket.launch``);
 4. at the end of backward, :meth:`~DataParallelOverlapped.finish_gradient_synchronization`
-   has the round wait for every launched bucket, in launch order.
+   has the round wait for every launched bucket, in launch order
+   (:meth:`~DataParallelOverlapped._wait_bucket`).
 
 Buckets are launched strictly in index order, even if a later one is complete
 first: collectives are matched across ranks by the order they are issued, so
@@ -103,7 +104,7 @@ class DataParallelOverlapped(nn.Module, Joinable):
         """Reduce in ``buckets`` (``where[i]``: parameter ``i``'s bucket and slot), in a new round."""
         self.buckets, self._where = buckets, where
         self._round = BucketRound([len(b.params) for b in buckets], self._launch_bucket,
-                                  on_backward_end=self._backward_end)
+                                  on_backward_end=self._backward_end, finish=self._wait_bucket)
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module (after torch's forward-time collectives, see the Reducer)."""
@@ -150,6 +151,11 @@ class DataParallelOverlapped(nn.Module, Joinable):
                                       comm_hook=self.reducer.reduce_hook())
 
     # -- after backward ----------------------------------------------------------
+    def _wait_bucket(self, b: int, work: Any) -> None:
+        """Wait for bucket ``b``'s all-reduce (on GPU: the current stream waits for it)."""
+        if work is not None:  # None: a custom all_reduce= already ran to completion
+            work.wait()  # the bucket's all_reduce, launched with async_op=True
+
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce, launching those still waiting first.
 

@@ -31,12 +31,6 @@ from typing import Any
 from torch.autograd import Variable
 
 
-def wait_for(bucket: Any, handle: Any) -> None:
-    """Default ``finish``: wait for ``handle`` (``None``: the launch already blocked)."""
-    if handle is not None:
-        handle.wait()
-
-
 def _weakly(fn: Callable) -> Callable[[], Callable]:
     """A callable returning ``fn``; a bound method is referenced weakly."""
     if inspect.ismethod(fn):
@@ -54,11 +48,12 @@ class BucketRound:
 
     Args:
         sizes: for each bucket, in launch order, the number of gradients it waits for.
-        launch: ``launch(b) -> handle``: start bucket ``b``'s collective.
+        launch: ``launch(b) -> handle``: start bucket ``b``'s collective (``None``:
+            the caller starts every collective itself and records it with :meth:`launched`).
         on_backward_end: what autograd calls once the backward :meth:`start` saw is
             done (usually the caller's ``finish_gradient_synchronization``).
         finish: ``finish(b, handle)``: wait for bucket ``b``'s collective and put its
-            result in place (default :func:`wait_for`).
+            result in place.
 
     Attributes:
         in_backward: a backward has started and its end callback is queued.
@@ -66,12 +61,11 @@ class BucketRound:
         pending: for each bucket, the gradients still missing in this round.
     """
 
-    def __init__(self, sizes: Sequence[int], launch: Callable[[int], Any],
-                 on_backward_end: Callable[[], None],
-                 finish: Callable[[Any, Any], None] = wait_for):
+    def __init__(self, sizes: Sequence[int], launch: Callable[[int], Any] | None,
+                 on_backward_end: Callable[[], None], finish: Callable[[Any, Any], None]):
         self.sizes = list(sizes)
         # Held weakly: the round must not keep its owner (a wrapper) alive.
-        self._launch, self._finish = _weakly(launch), _weakly(finish)
+        self._launch, self._finish = _weakly(launch or _gone), _weakly(finish)
         self._on_backward_end = _weakly(on_backward_end)
         self.reset()
 
