@@ -52,3 +52,12 @@ def test_gpu_busy_merges_overlapping_kernels_and_fsdp_ranges_group_by_kind():
     assert gpu_busy(events) == {"span_ms": 5.0, "busy_ms": 2.5}
     assert fsdp_host_ranges(events) == {"FSDP::pre_forward": 3.0, "FSDP::backward_prefetch": 0.5}
     assert gpu_busy([]) == {"span_ms": 0.0, "busy_ms": 0.0}
+
+
+def test_fully_shard_hooks_are_python_functions():
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    for hook in (FSDPState._pre_forward, FSDPState._post_forward, FSDPState._root_pre_forward):
+        assert inspect.getsourcefile(hook).endswith(".py"), hook
