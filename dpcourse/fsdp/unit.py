@@ -92,7 +92,7 @@ class FSDPUnit:
     def _pre_backward(self, grad):
         if not self.backward_started:
             self.backward_started = True
-            self.owner._backward_started()
+            self.owner._round.start()  # the owner finishes the reductions when backward ends
             with torch.no_grad():
                 self.wait_for_unshard()
             self.owner._prefetch_after(self, backward=True)
@@ -110,11 +110,11 @@ class FSDPUnit:
         divide_first = divide_before_sum(grad, owner.world_size, only_if_sum_can_overflow=True)
         out = torch.empty(flat.chunk, dtype=grad.dtype, device=grad.device)
         work = reduce_scatter(out, grad, group=owner.group, async_op=True)
-        owner._pending.append((flat, work, out, grad, not divide_first))
+        owner._round.launched(flat, (work, out, grad, not divide_first))
         # Keep one reduce-scatter in flight: finishing the previous one releases its
         # full-size gradient. Holding them all until the end of backward would keep a
         # whole unsharded gradient per rank, what sharding is meant to avoid.
-        owner._drain(keep=1)
+        owner._round.wait(keep=1)
         # Every use of these weights has had its backward. (A frozen flat of the same
         # unit may still be needed for an input gradient: it is freed when backward ends.)
         flat.reshard()

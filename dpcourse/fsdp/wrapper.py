@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
 from dpcourse.ddp.base import broadcast_module_state
 from dpcourse.ddp.guards import check_same_model
+from dpcourse.ddp.rounds import BucketRound
 from dpcourse.device import rank_device
 from dpcourse.fsdp.flat_params import FlatParams, sites_by_param
 from dpcourse.fsdp.materialize import Materializer, built_on_meta
@@ -110,9 +110,11 @@ class FullyShardedDataParallel(nn.Module):
         if meta:
             broadcast_module_state(module, group)  # the buffers: rank 0 initialised them
         self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
-        self._pending: list = []
         self._order: list[FSDPUnit] = []   # non-root units in this forward's order
-        self._in_backward = False
+        # Lesson 06's round: each unit starts its reduce-scatter once autograd has its whole
+        # gradient (FSDPUnit.reduce_gradient); the round finishes them, all at the end.
+        self._round = BucketRound([], None, on_backward_end=self.finish_gradient_synchronization,
+                                  finish=self._finish_reduce)
 
     def _build_units(self, module: nn.Module, unit_modules: list[nn.Module], meta) -> None:
         """Cut every unit's parameters into flat shards (``meta``: ``(param_init_fn, device)``)."""
@@ -170,15 +172,6 @@ class FullyShardedDataParallel(nn.Module):
         if pos > 0:  # backward runs the units in reverse forward order
             self._order[pos - 1].unshard()
 
-    def _backward_started(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            Variable._execution_engine.queue_callback(self._backward_end)
-
-    def _backward_end(self) -> None:
-        self._in_backward = False
-        self.finish_gradient_synchronization()
-
     # -- public API --------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Gather the root unit, run the module, and arrange the backward hooks."""
@@ -200,7 +193,7 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
     def _root_pre_backward(self, grad):
-        self._backward_started()
+        self._round.start()  # finish_gradient_synchronization once backward is done
         if self.prefetch and self._order:
             self._order[-1].unshard()  # the last unit's backward comes first
         return grad
@@ -212,23 +205,21 @@ class FullyShardedDataParallel(nn.Module):
         Runs automatically at the end of each ``loss.backward()``; calling it again
         does nothing. Also frees every gathered weight.
         """
-        self._drain(keep=0)
+        self._round.finish()  # every reduce-scatter still in flight, oldest first
         for u in self.units:
             u.reshard()
 
     @torch.no_grad()
-    def _drain(self, keep: int) -> None:
-        """Finish all but the ``keep`` newest reduce-scatters; add them into the shard gradients."""
-        done = self._pending[:max(0, len(self._pending) - keep)]
-        self._pending = self._pending[len(done):]
-        for flat, work, out, _grad, divide_after in done:
-            work.wait()  # on GPU: the current stream waits for the collective
-            if divide_after:
-                out.div_(self.world_size)
-            if flat.shard.grad is None:
-                flat.shard.grad = out.to(flat.shard.dtype)
-            else:
-                flat.shard.grad.add_(out)
+    def _finish_reduce(self, flat, handle) -> None:
+        """Wait for one flat's reduce-scatter; add the result into its shard's gradient."""
+        work, out, _grad, divide_after = handle
+        work.wait()  # on GPU: the current stream waits for the collective
+        if divide_after:
+            out.div_(self.world_size)
+        if flat.shard.grad is None:
+            flat.shard.grad = out.to(flat.shard.dtype)
+        else:
+            flat.shard.grad.add_(out)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:

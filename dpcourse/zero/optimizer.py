@@ -19,8 +19,9 @@ Where the averaged gradient comes from is the ``gradients=`` argument:
   as DDP. Full-size gradients stay in memory (free gradient accumulation).
 * ``"sharded"`` (ZeRO-2): as ``"reduce_scatter"``, but each bucket is
   reduce-scattered from a backward hook as soon as its gradients are complete
-  (overlapping backward, as in lesson 06), its full gradients are freed
-  (``param.grad = None``), and only this rank's gradient shard is kept and
+  (overlapping backward: lesson 06's :class:`~dpcourse.ddp.rounds.BucketRound`
+  with a reduce-scatter in place of the all-reduce), its full gradients are
+  freed (``param.grad = None``), and only this rank's gradient shard is kept and
   accumulated. Gradient memory per rank falls to ~1/N; same bytes as DDP.
 
 Checkpoints (the state gathered on one rank as a plain optimizer's, loaded on
@@ -37,13 +38,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from dpcourse.comm.averaging import divide_before_sum
 from dpcourse.comm.sharding import shard_range
 from dpcourse.ddp.buckets import check_bucket_cap
 from dpcourse.ddp.guards import check_same_model
+from dpcourse.ddp.rounds import BucketRound
 from dpcourse.zero import checkpoint
 from dpcourse.zero.collectives import all_gather, reduce_scatter
 from dpcourse.zero.layout import ShardBucket, make_shard_buckets
@@ -122,8 +123,10 @@ class ShardedOptimizer(Optimizer):
         self._consolidated: checkpoint.Consolidated | None = None
         self._hooks: list = []
         if gradients == "sharded":
-            self._reset_round()
-            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+            self._round = BucketRound([len(b.params) for b in self.buckets], self._launch_async,
+                                      on_backward_end=self._backward_end,
+                                      finish=self._finish_bucket)
+            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(self._where[i][0]))
                            for i, p in enumerate(self._params)]
 
     def _trainable(self) -> list[torch.Tensor]:
@@ -175,38 +178,26 @@ class ShardedOptimizer(Optimizer):
         acc = self._grad_rows[b]
         self._grad_rows[b] = out if acc is None else acc.add_(out)
 
-    def _make_hook(self, index: int):
+    # ZeRO-2: lesson 06's round of buckets, with a reduce-scatter in place of the all-reduce.
+    def _make_hook(self, b: int):
         def hook(param):
-            self._grad_ready(index)
+            self._round.start()   # the first gradient of a backward: _backward_end at its end
+            self._round.ready(b)  # bucket b's last gradient: reduce-scatter it, in bucket order
         return hook
 
-    def _reset_round(self) -> None:
-        self._pending = [len(b.params) for b in self.buckets]
-        self._next = 0
-        self._inflight: list = []
-        self._in_backward = False
+    def _launch_async(self, b: int):
+        return self._launch(b, async_op=True)
 
-    def _grad_ready(self, index: int) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            Variable._execution_engine.queue_callback(self._backward_end)
-        b, _ = self._where[index]
-        self._pending[b] -= 1
-        # Collectives must be issued in the same order on every rank: bucket order.
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._inflight.append((self._next, *self._launch(self._next, async_op=True)))
-            self._next += 1
+    @torch.no_grad()
+    def _finish_bucket(self, b: int, handle) -> None:
+        work, out, _matrix = handle
+        work.wait()  # bucket b's reduce_scatter, launched with async_op=True
+        self._accumulate(b, out)  # the full-size matrix is released here
 
     @torch.no_grad()
     def _backward_end(self) -> None:
         """After backward: reduce what is still missing (unused parameters count as zero), wait."""
-        for b in range(self._next, len(self.buckets)):
-            self._inflight.append((b, *self._launch(b, async_op=True)))
-        inflight = self._inflight
-        self._reset_round()
-        for b, work, out, _matrix in inflight:
-            work.wait()
-            self._accumulate(b, out)  # the full-size matrix is released here
+        self._round.finish()
 
     @torch.no_grad()
     def _point_shard_grads(self) -> None:
