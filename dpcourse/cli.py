@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sandbox", action="store_true", help="run the notebooks' code with "
                    "your own rights where the sandbox (bubblewrap) cannot run; every score is "
                    "marked \"not sandboxed\"")
-    p.set_defaults(func=_command("dpcourse.grade_command", "grade"))
+    p.set_defaults(func=_command("dpcourse.grade_command", "grade_notebooks"))
     return parser
 
 

@@ -61,7 +61,7 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"grade: --feedback {args.feedback} cannot be written: {why}")
 
 
-def grade(args: argparse.Namespace) -> int:
+def grade_notebooks(args: argparse.Namespace) -> int:
     """Run ``dpcourse grade``: grade, print the table, write the files asked for; 2 on bad input."""
     from dpcourse.grading import autograde, gradebook
 

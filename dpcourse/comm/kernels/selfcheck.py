@@ -22,7 +22,7 @@ from dpcourse.comm.kernels import (one_shot_all_reduce, release_workspaces,
 KERNELS = {"one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce}
 
 
-def check(numel: int, calls: int, dtype: torch.dtype) -> int:
+def count_wrong_calls(numel: int, calls: int, dtype: torch.dtype) -> int:
     """Run ``calls`` back-to-back calls of each kernel on integer data; return mismatches."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     try:
         numels = [int(v) for v in args.numel.split(",")]
-        bad = sum(check(n, args.calls, d) for n in numels for d in (torch.float32, torch.bfloat16))
+        bad = sum(count_wrong_calls(n, args.calls, d)
+                  for n in numels for d in (torch.float32, torch.bfloat16))
         flag = torch.tensor([bad], device="cuda")
         dist.all_reduce(flag)
         if dist.get_rank() == 0:
