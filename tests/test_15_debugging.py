@@ -263,110 +263,40 @@ def test_a_dead_partner_fails_the_next_collective_at_once():
 
 
 # ------------------------------------------------------------------ exercise 15's check
+# The solution's cells, then one planted cell that redefines a single name: the grader takes the
+# last definition of each name, so each run grades the solution with one mistake in it.
 
-def _solution():
-    import pathlib
-
-    import nbformat
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "solutions" / "15_debugging.ipynb"
-    scope = {}
-    for cell in nbformat.read(path, as_version=4).cells:
-        if cell.cell_type == "code" and not cell.source.startswith("check("):
-            exec(compile(cell.source, "solution_15", "exec"), scope)  # noqa: S102
-    return scope
-
-
-def _histogram_from_the_data(labels, num_classes, group=None):
+_PLANTED = {
+    "causes": '''
+def diagnosis():
+    return {"A": "order_mismatch", "B": "p2p_deadlock", "C": "skipped_collective",
+            "D": "dead_rank", "E": "timeout_too_short", "F": "shape_mismatch"}
+''',
+    "histogram": '''
+def global_histogram(labels, num_classes, group=None):
     counts = torch.bincount(labels)  # the job's bug: the length comes from the data
     dist.all_reduce(counts, group=group)
     return counts
-
-
-def _receive_first(tensor, group=None):
+''',
+    "exchange": '''
+def pass_to_the_right(tensor, group=None):
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = torch.empty_like(tensor)
-    dist.recv(out, src=(rank - 1) % n, group=group)
+    dist.recv(out, src=(rank - 1) % n, group=group)  # every rank receives first
     dist.send(tensor, dst=(rank + 1) % n, group=group)
     return out
-
-
-def _stop_only_when_set(flag, group=None):
+''',
+    "stop": '''
+def should_stop(flag, group=None):
     stop = torch.tensor([float(flag)])
-    if flag:  # the job's bug: only ranks that want to stop reach the collective
+    if flag:  # only the ranks that want to stop reach the collective
         dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=group)
     return bool(stop.item())
+''',
+}
 
 
-def _swapped_causes():
-    return {"A": "order_mismatch", "B": "p2p_deadlock", "C": "skipped_collective",
-            "D": "dead_rank", "E": "timeout_too_short", "F": "shape_mismatch"}
-
-
-def test_exercise_15_solution_passes_every_criterion():
-    from dpcourse.grading import check
-
-    sol = _solution()
-    result = check("debugging", sol["diagnosis"], histogram=sol["global_histogram"],
-                   exchange=sol["pass_to_the_right"], stop=sol["should_stop"], quiet=True)
-    assert result.failed() == [], {c.name: c.detail for c in result.criteria if not c.passed}
-
-
-@pytest.mark.parametrize("role, bug, failed, hint", [
-    ("main", _swapped_causes, "causes_named", "the causes are"),
-    ("histogram", _histogram_from_the_data, "histogram_sums", "num_classes"),
-    ("exchange", _receive_first, "no_deadlock", "nobody had sent yet"),
-    ("stop", _stop_only_when_set, "no_deadlock", "Every rank must issue the same collective"),
-])
-def test_exercise_15_mistakes_fail_with_the_hint_of_their_cause(role, bug, failed, hint):
-    from dpcourse.grading import check
-
-    sol = _solution()
-    roles = dict(main=sol["diagnosis"], histogram=sol["global_histogram"],
-                 exchange=sol["pass_to_the_right"], stop=sol["should_stop"], **{role: bug})
-    main = roles.pop("main")
-    result = check("debugging", main, quiet=True, timeout=8, **roles)
-    assert failed in result.failed(), {c.name: c.detail for c in result.criteria}
-    assert hint in result.criterion(failed).hint, result.criterion(failed).hint
-    if role == "main":
-        assert result.failed() == ["causes_named"]
-        assert "A" in result.criterion(failed).detail and "F" in result.criterion(failed).detail
-
-
-# ------------------------------------------------------------------ NCCL, on 2 GPUs
-
-@pytest.mark.gpu(2)
-def test_nccl_debugging_tools_say_what_lesson_15_reads_from_its_recording(tmp_path):
-    """Lesson 15, section 7: on 2 GPUs over NCCL (the recorder's own scenarios, asked of torch):
-    the watchdog logs a skipped all-reduce's timeout with its sequence number; under
-    TORCH_NCCL_BLOCKING_WAIT=1 the waiting rank's call raises DistBackendError; DETAIL names
-    collectives in different orders; an all-reduce of 4 elements against 5 returns on the rank
-    with 4 while the other times out; each rank's flight record ends at its last collective and
-    fr_trace names the missing rank."""
-    import json
-
-    from dpcourse.bench import record_debugging
-
-    assert record_debugging.main(["--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("lesson15-2x-*.json")
-    runs = json.loads(path.read_text())["scenarios"]
-
-    def out(name, rank, stream):
-        return "\n".join(runs[name]["ranks"][rank][stream])
-
-    assert "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE" \
-        in out("skipped_collective", 0, "stderr")
-    assert "raised DistBackendError" in out("blocking_wait", 0, "stdout")
-    assert "Detected mismatch between collectives" in out("order_detail", 0, "stdout")
-    assert "finished" in out("shape_plain", 0, "stdout")
-    assert "NumelIn=5" in out("shape_plain", 1, "stderr")
-    fr = runs["flight_recorder"]["flight_recorder"]
-    assert {r: max(e["collective_seq_id"] for e in es) for r, es in fr["entries"].items()} == \
-        {"0": 2, "1": 1}
-    assert "missing ranks: {1}" in "\n".join(fr["fr_trace"]["output"])
-
-
-def test_unchanged_exercise_15_scores_zero():
+def _grade_15(folder: str, planted: str | None = None, timeout: float = 20.0):
     import pathlib
 
     import nbformat
@@ -375,11 +305,38 @@ def test_unchanged_exercise_15_scores_zero():
     from dpcourse.grading.runner import run_check
     from dpcourse.grading.submission import extract
 
-    nb = nbformat.read(pathlib.Path(__file__).resolve().parent.parent / "exercises" /
+    nb = nbformat.read(pathlib.Path(__file__).resolve().parent.parent / folder /
                        "15_debugging.ipynb", as_version=4)
-    cells, _ = extract([(f"<cell {i}>", c.source) for i, c in enumerate(nb.cells)
-                        if c.cell_type == "code"])
+    sources = [(f"<cell {i}>", c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    if planted:
+        sources.append(("<planted>", _PLANTED[planted]))
+    cells, _ = extract(sources)
     spec = get_spec("debugging")
-    result = run_check(spec, cells, spec.roles)
+    return run_check(spec, cells, spec.roles, timeout=timeout)
+
+
+def test_exercise_15_solution_passes_every_criterion():
+    result = _grade_15("solutions")
+    assert result.failed() == [], {c.name: c.detail for c in result.criteria if not c.passed}
+
+
+@pytest.mark.parametrize("planted, failed, hint", [
+    ("causes", {"causes_named"}, "the causes are"),
+    ("histogram", {"histogram_sums"}, "num_classes"),
+    ("exchange", {"no_deadlock"}, "nobody had sent yet"),
+    ("stop", {"no_deadlock"}, "whatever its own flag says"),
+])
+def test_exercise_15_mistakes_fail_with_the_hint_of_their_cause(planted, failed, hint):
+    result = _grade_15("solutions", planted, timeout=8)
+    report = {c.name: (c.detail, c.hint) for c in result.criteria if not c.passed}
+    first = next(c for c in result.criteria if not c.passed and c.name in failed)
+    assert hint in first.hint, report
+    if planted == "causes":  # the fixes still earn their points
+        assert set(result.failed()) == failed, report
+        assert "A" in first.detail and "F" in first.detail and "B" not in first.detail
+
+
+def test_unchanged_exercise_15_scores_zero():
+    result = _grade_15("exercises")
     assert result.points == 0 and "NotImplementedError" in \
         result.criterion("histogram_sums").detail

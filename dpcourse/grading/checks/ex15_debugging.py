@@ -124,6 +124,9 @@ class DebuggingFixes(Exercise):
     def explain(self, text):
         if "disagree on collective" in text:
             return "The ranks passed tensors of different sizes to one collective."
+        if "should_stop" in text and "never issued" in text:
+            return ("Some ranks never issued should_stop's collective: every rank must issue it, "
+                    "whatever its own flag says.")
         if "recv" in text and ("waiting" in text or "timed out" in text):
             return "Every rank was waiting in a receive: nobody had sent yet."
         return ""
