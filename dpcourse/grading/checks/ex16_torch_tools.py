@@ -122,7 +122,7 @@ class ClipSharded(Exercise):
                 bad = next((d for d in diffs if d), "")
                 shard_crit = "clips_shards" if crit == "total_norm" else crit
                 recs.append(CaseVerdict(shard_crit, not bad, f"rank {r}'s shards: {bad}", label))
-                sent = [e for e in events_of(events[r], label) if e["op"] != "barrier"]
+                sent = [e for e in events_of(events[r], label) if "nbytes" in e and e["op"] != "barrier"]
                 one = len(sent) == 1 and sent[0]["op"] == "all_reduce" and sent[0]["nbytes"] <= 8
                 recs.append(CaseVerdict("one_scalar", one, f"rank {r} issued " + ", ".join(
                     f"{e['op']} of {e['nbytes']} bytes" for e in sent) if sent else "nothing", label))

@@ -1,0 +1,291 @@
+"""What lesson 16 says about torch's own tools, asked of torch itself.
+
+The 4-rank probes (HSDP on a 2 x 2 mesh, clipping, DCP save) run in one launch and
+the 2-rank probes (ZeroRedundancyOptimizer, resharding, mixed precision, DCP load,
+DDPOptimizer) in another (module fixtures), so the file stays fast on a small CPU
+machine; each test then checks one statement. The collectives are read by wrapping
+the functions of ``torch.distributed`` that torch's FSDP calls. The last test
+runs ``torchrun`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dpcourse
+from dpcourse.torch_tools import saved_tensor_bytes, trace_collectives
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _batch(step, n=16):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
+
+
+def _four_ranks(folder):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _mlp()
+    fully_shard(model, mesh=mesh)
+    x, y = (t.chunk(4)[dist.get_rank()] for t in _batch(0))
+    with trace_collectives() as events:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    dcp.save(get_model_state_dict(model), checkpoint_id=folder)
+    return dict(mesh=mesh.mesh.tolist(), events=events, norm_type=type(norm).__name__,
+                norm=norm.full_tensor(), grads=[p.grad.full_tensor() for p in model.parameters()],
+                placements=[(str(p.placements), tuple(p.to_local().shape), tuple(p.shape))
+                            for p in model.parameters()],
+                full=[p.full_tensor() for p in model.parameters()], files=sorted(os.listdir(folder)))
+
+
+def _zero_share():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = _mlp()
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    torch.nn.functional.mse_loss(model(_batch(0)[0]), _batch(0)[1]).backward()
+    opt.step()
+    held = [id(p) for p in opt.optim.state]
+    return dict(mine=[i for i, p in enumerate(model.parameters()) if id(p) in held],
+                total=len(list(model.parameters())))
+
+
+def _gathers_per_step(reshard):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    fully_shard(model[0], reshard_after_forward=reshard)
+    fully_shard(model)
+    x, y = _batch(0, 8)
+    torch.nn.functional.mse_loss(model(x), y).backward()   # first step: lazy initialisation
+    with trace_collectives() as events:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    return sum(e["op"] == "all_gather" for e in events)
+
+
+def _mixed(reduce_dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _mlp()
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype))
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    x, y = _batch(0, 8)
+    with trace_collectives() as events:
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
+    return dict(forward=seen[0], wire={e["op"]: e["dtype"] for e in events},
+                grad=model[0].weight.grad.dtype)
+
+
+def _dcp_load(folder):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    fully_shard(model)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state)
+    return [p.full_tensor() for p in model.parameters()]
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, n=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _graphs(optimize_ddp, cap_mb, layers=8):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = optimize_ddp
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(_Net(layers), bucket_cap_mb=cap_mb)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if n.op == "placeholder"))
+        return gm.forward
+
+    torch.compile(ddp, backend=backend)(torch.randn(4, 256)).sum().backward()
+    return graphs
+
+
+def _two_ranks(folder):
+    return dict(zero=_zero_share(), gathers={r: _gathers_per_step(r) for r in (True, False)},
+                mixed={d: _mixed(d) for d in (torch.float32, torch.bfloat16)}, loaded=_dcp_load(folder),
+                graphs={(on, cap, n): _graphs(on, cap, n) for on, cap, n in ((True, 1, 8), (True, 2, 16),
+                                                                          (False, 1, 8))})
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("dcp"))
+    four = dpcourse.run(_four_ranks, folder, world_size=4, device="cpu", timeout=240)
+    two = dpcourse.run(_two_ranks, folder, world_size=2, device="cpu", timeout=240)
+    return four, two
+
+
+def test_zero_redundancy_optimizer_keeps_state_for_its_share_only(probes):
+    """Each rank's inner optimizer holds state for a disjoint part of the parameters; together all."""
+    shares = [r["zero"]["mine"] for r in probes[1]]
+    assert all(shares) and not set(shares[0]) & set(shares[1])
+    assert sorted(shares[0] + shares[1]) == list(range(probes[1][0]["zero"]["total"]))
+
+
+def test_reshard_after_forward_false_gathers_once_per_step(probes):
+    """A unit with reshard_after_forward=False is all-gathered once per step, not twice."""
+    for r in probes[1]:
+        # True: the inner unit twice (forward, backward) and the root once; False: each once.
+        assert r["gathers"][True] == 3 and r["gathers"][False] == 2, r["gathers"]
+
+
+def test_hsdp_places_parameters_replicate_then_shard(probes):
+    """fully_shard on a 2-D mesh: placements (Replicate(), Shard(0)); ranks laid out row by row."""
+    for r in probes[0]:
+        assert r["mesh"] == [[0, 1], [2, 3]]
+        for placement, local, full in r["placements"]:
+            assert placement == "(Replicate(), Shard(dim=0))" and 2 * local[0] == full[0]
+
+
+def test_hsdp_reduce_scatters_in_shard_group_then_all_reduces_across(probes):
+    """One HSDP step: all-gather and reduce-scatter in the row, then an all-reduce of the shard in the column."""
+    for rank, r in enumerate(probes[0]):
+        row, col = divmod(rank, 2)
+        ops = [(e["op"], e["ranks"]) for e in r["events"]]
+        assert ops == [("all_gather", [2 * row, 2 * row + 1]), ("reduce_scatter", [2 * row, 2 * row + 1]),
+                       ("all_reduce", [col, col + 2])]
+        assert r["events"][2]["nbytes"] * 2 == r["events"][1]["nbytes"]
+
+
+def test_clip_grad_norm_of_dtensor_grads_equals_one_process(probes):
+    """clip_grad_norm_ returns a DTensor total norm; norm and clipped gradients equal one process's."""
+    model = _mlp()
+    x, y = _batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    assert norm > 0.1   # the clipping changes the gradients
+    for r in probes[0]:
+        assert r["norm_type"] == "DTensor"
+        assert torch.allclose(r["norm"], norm, rtol=1e-6, atol=0)
+        for got, p in zip(r["grads"], model.parameters()):
+            assert torch.allclose(got, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_dcp_writes_a_file_per_rank_and_metadata(probes):
+    """dcp.save on 4 ranks writes __<rank>_0.distcp for each rank and one .metadata."""
+    assert probes[0][0]["files"] == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+
+
+def test_dcp_saved_on_4_ranks_loads_on_2(probes):
+    """A DCP checkpoint of a 2 x 2 HSDP model loads into 1-D FSDP on 2 ranks with equal parameters."""
+    saved = probes[0][0]["full"]
+    for r in probes[1]:
+        assert all(torch.equal(a, b) for a, b in zip(r["loaded"], saved))
+
+
+def test_mixed_precision_policy_reduce_dtype_sets_reduce_scatter_dtype(probes):
+    """param_dtype=bf16: bf16 forward and gathers; the reduce-scatter moves reduce_dtype; shards' grads fp32."""
+    for r in probes[1]:
+        for reduce_dtype, m in r["mixed"].items():
+            assert m["forward"] == torch.bfloat16 and m["wire"]["all_gather"] == "torch.bfloat16"
+            assert m["wire"]["reduce_scatter"] == str(reduce_dtype)
+            assert m["grad"] == torch.float32
+
+
+def test_ddp_optimizer_splits_the_graph_at_bucket_boundaries(probes):
+    """optimize_ddp: one graph per bucket, counted from the end, the first capped at 1 MiB; off: one graph."""
+    layer = (256 * 256 + 256) * 4
+
+    def buckets(layers, cap_mb):
+        first = -(-(1 << 20) // layer)                 # layers until the first bucket reaches 1 MiB
+        per = -(-(cap_mb << 20) // layer)              # and until a later one reaches the cap
+        return 1 + -(-max(layers - first, 0) // per)
+
+    for r in probes[1]:
+        g = r["graphs"]
+        assert len(g[(False, 1, 8)]) == 1 and g[(False, 1, 8)][0] == 8 * 2 + 1
+        for cap, layers in ((1, 8), (2, 16)):
+            got = g[(True, cap, layers)]
+            assert len(got) == buckets(layers, cap), (cap, layers, got)
+            assert sum(got) - len(got) == layers * 2   # every parameter once, plus each graph's input
+
+
+def test_checkpoint_saves_fewer_tensors_and_reruns_the_forward():
+    """Non-reentrant checkpoint keeps fewer saved tensors, starts the forward again in backward, same grads."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(ckpt):
+        model = _mlp()
+        starts = []
+        model.register_forward_pre_hook(lambda m, a: starts.append(1))
+        x, y = _batch(0, 64)
+        with saved_tensor_bytes() as saved:
+            out = checkpoint(model, x, use_reentrant=False) if ckpt else model(x)
+            loss = torch.nn.functional.mse_loss(out, y)
+        loss.backward()
+        return saved["bytes"], len(starts), [p.grad for p in model.parameters()]
+
+    (plain, n_plain, g_plain), (ck, n_ck, g_ck) = run(False), run(True)
+    assert ck < plain and (n_plain, n_ck) == (1, 2)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(g_plain, g_ck))
+
+
+WORKER = textwrap.dedent("""
+    import os
+    import torch.distributed as dist
+    from dpcourse.torch_tools import init_attempt_process_group
+    init_attempt_process_group("gloo")
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"rank {dist.get_rank()} attempt {restart}", flush=True)
+    if restart == 0 and dist.get_rank() == 1:
+        os._exit(1)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_restarts_every_worker_after_one_fails(tmp_path):
+    """--max-restarts 1: one worker's failure restarts both, with TORCHELASTIC_RESTART_COUNT=1.
+
+    The worker joins each attempt's process group under a store prefix of its own
+    (``dpcourse.torch_tools.init_attempt_process_group``), as the lesson's does.
+    """
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1",
+                           "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                           str(port), str(script)], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert lines, proc.stdout[-2000:]
+    assert {"rank 1 attempt 0", "rank 0 attempt 1", "rank 1 attempt 1"} <= set(lines), lines
+    assert not any("attempt 2" in line for line in lines)
