@@ -65,9 +65,14 @@ PLANTED = textwrap.dedent('''
 
     def never_capped(shards, max_norm, norm_type=2.0, group=None):
         """Scales by max_norm / norm even when that is above 1."""
-        local = torch.cat(shards).pow(2).sum().reshape(1)
-        dist.all_reduce(local, group=group)
-        total = local[0].sqrt()
+        if float(norm_type) == math.inf:
+            local = torch.cat(shards).abs().max().reshape(1)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            total = local[0]
+        else:
+            local = torch.cat(shards).pow(2).sum().reshape(1)
+            dist.all_reduce(local, group=group)
+            total = local[0].sqrt()
         for s in shards:
             s.mul_(max_norm / (total + 1e-6))
         return total

@@ -8,7 +8,8 @@ gradient in one process, and return the total norm (a 0-d tensor, equal on every
 rank). The grader builds the whole gradients, cuts them into the ranks' chunks,
 and asks torch's ``clip_grad_norm_`` for the expected norm and gradients; graded
 code may use ``all_reduce`` (and broadcast, barrier), and the grader's record of
-every collective shows whether one scalar or the gradients crossed the wire.
+every collective shows whether one scalar or the gradients crossed the wire. The
+verdicts are :mod:`~dpcourse.grading.checks.clip_verdicts`, which ranks cannot import.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import math
 
 import torch
 
-from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
-from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
+from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
 
 RTOL, ATOL = 1e-5, 1e-7
@@ -37,15 +38,6 @@ def _full_and_chunks(gen, world: int, sizes):
         for r in range(world):
             chunks[r].append(padded[r * c:(r + 1) * c].clone())
     return full, chunks
-
-
-def _torch_clip(full, max_norm, norm_type):
-    """What torch's clip_grad_norm_ gives in one process: (total norm, clipped gradients)."""
-    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
-    for p, g in zip(params, full):
-        p.grad = g.clone()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    return norm, [p.grad for p in params]
 
 
 class ClipSharded(Exercise):
@@ -79,6 +71,7 @@ class ClipSharded(Exercise):
                   needs=("total_norm",)),
         no_delegation("total_norm"), no_deadlock("total_norm"),
     )
+    verdicts = "dpcourse.grading.checks.clip_verdicts"
     notes = (f"compared with torch.nn.utils.clip_grad_norm_ on the whole gradient, rtol={RTOL:g}, "
              f"atol={ATOL:g}; world sizes 2 and 3; fresh random gradients and sizes on each run",)
 
@@ -106,41 +99,3 @@ class ClipSharded(Exercise):
             out.append({"norm": torch.as_tensor(got).detach().clone() if isinstance(got, (torch.Tensor, float))
                         else type(got).__name__, "shards": shards})
         return out
-
-    def judge(self, ws, inputs, outputs, events):
-        recs = []
-        for k, case in enumerate(inputs[0]["cases"]):
-            label, crit = case["label"], case["crit"]
-            full = [torch.cat([inputs[r]["cases"][k]["shards"][j] for r in range(ws)])[:n]
-                    for j, n in enumerate(case["sizes"])]
-            want_norm, want = _torch_clip(full, case["max_norm"], case["norm_type"])
-            for r in range(ws):
-                got = outputs[r][k]
-                recs.append(self._norm(got["norm"], want_norm, inputs[r]["cases"][k]["shards"], r, crit, label))
-                expect = [self._chunk(w, ws, r) for w in want]
-                diffs = [mismatch(g, e, RTOL, ATOL) for g, e in zip(got["shards"], expect)]
-                bad = next((d for d in diffs if d), "")
-                shard_crit = "clips_shards" if crit == "total_norm" else crit
-                recs.append(CaseVerdict(shard_crit, not bad, f"rank {r}'s shards: {bad}", label))
-                sent = [e for e in events_of(events[r], label) if "nbytes" in e and e["op"] != "barrier"]
-                one = len(sent) == 1 and sent[0]["op"] == "all_reduce" and sent[0]["nbytes"] <= 8
-                recs.append(CaseVerdict("one_scalar", one, f"rank {r} issued " + ", ".join(
-                    f"{e['op']} of {e['nbytes']} bytes" for e in sent) if sent else "nothing", label))
-        return recs
-
-    @staticmethod
-    def _chunk(whole, ws, r):
-        c = -(-whole.numel() // ws)
-        return torch.cat([whole, whole.new_zeros(ws * c - whole.numel())])[r * c:(r + 1) * c]
-
-    @staticmethod
-    def _norm(got, want, mine, rank, crit, label) -> CaseVerdict:
-        name = "inf_norm" if crit == "inf_norm" else "total_norm"
-        if not isinstance(got, torch.Tensor) or got.numel() != 1:
-            return CaseVerdict(name, False, f"rank {rank} returned {got}, expected a 0-d tensor", label)
-        if torch.allclose(got.double().reshape(()), want.double(), rtol=RTOL, atol=ATOL):
-            return CaseVerdict(name, True, "", label)
-        local = torch.cat(mine).abs().max() if crit == "inf_norm" else torch.cat(mine).norm()
-        why = " (this rank's own shards' norm)" if torch.allclose(got.reshape(()), local, rtol=RTOL) else ""
-        return CaseVerdict(name, False, f"rank {rank} returned {got.item():.6g}{why}, torch's "
-                           f"clip_grad_norm_ gives {want.item():.6g}", label)
