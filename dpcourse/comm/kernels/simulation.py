@@ -71,7 +71,7 @@ def _load(m: Machine, s: Step, source: int, i: int) -> float:
     return m.buffers[source][i]
 
 
-def execute(m: Machine, s: Step, kind: str, release: bool = True) -> None:
+def apply_step(m: Machine, s: Step, kind: str, release: bool = True) -> None:
     """Apply one step to the machine and log it.
 
     With ``release=False`` the flag is set with a relaxed atomic: the block's
@@ -185,7 +185,7 @@ def simulate(inputs: list[list[float]], kind="one_shot", *, calls: int = 1,
         if b < 0:  # one in-flight store of block -1 - b reaches memory
             drain(m, r, -1 - b, 1)
         else:
-            execute(m, queues[r][b].pop(0), kinds[call[r]], release)
+            apply_step(m, queues[r][b].pop(0), kinds[call[r]], release)
 
 
 def _queues(plan: dict, rank: int) -> dict[int, list[Step]]:
