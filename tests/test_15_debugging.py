@@ -340,3 +340,36 @@ def test_unchanged_exercise_15_scores_zero():
     result = _grade_15("exercises")
     assert result.points == 0 and "NotImplementedError" in \
         result.criterion("histogram_sums").detail
+
+
+# ------------------------------------------------------------------ NCCL, on 2 GPUs
+
+@pytest.mark.gpu(2)
+def test_nccl_debugging_tools_say_what_lesson_15_reads_from_its_recording(tmp_path):
+    """Lesson 15, section 7: on 2 GPUs over NCCL (the recorder's own scenarios, asked of torch):
+    the watchdog logs a skipped all-reduce's timeout with its sequence number; under
+    TORCH_NCCL_BLOCKING_WAIT=1 the waiting rank's call raises DistBackendError; DETAIL names
+    collectives in different orders; an all-reduce of 4 elements against 5 returns on the rank
+    with 4 while the other times out; each rank's flight record ends at its last collective and
+    fr_trace names the missing rank."""
+    import json
+
+    from dpcourse.bench import record_debugging
+
+    assert record_debugging.main(["--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("lesson15-2x-*.json")
+    runs = json.loads(path.read_text())["scenarios"]
+
+    def out(name, rank, stream):
+        return "\n".join(runs[name]["ranks"][rank][stream])
+
+    assert "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE" \
+        in out("skipped_collective", 0, "stderr")
+    assert "raised DistBackendError" in out("blocking_wait", 0, "stdout")
+    assert "Detected mismatch between collectives" in out("order_detail", 0, "stdout")
+    assert "finished" in out("shape_plain", 0, "stdout")
+    assert "NumelIn=5" in out("shape_plain", 1, "stderr")
+    fr = runs["flight_recorder"]["flight_recorder"]
+    assert {r: max(e["collective_seq_id"] for e in es) for r, es in fr["entries"].items()} == \
+        {"0": 2, "1": 1}
+    assert "missing ranks: {1}" in "\n".join(fr["fr_trace"]["output"])
