@@ -255,6 +255,33 @@ def test_checkpoint_saves_fewer_tensors_and_reruns_the_forward():
     assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(g_plain, g_ck))
 
 
+def test_checkpoint_stops_recomputing_once_backward_has_what_it_needs():
+    """By default the recomputation stops after the last saved tensor; with early stop off it runs to the end."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    calls = []
+
+    def fn(x):
+        y = torch.sin(x)          # the only tensor saved for backward
+        calls.append("after")     # reached in the forward; in the recomputation only without early stop
+        return y + 1
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert calls == ["after"]
+    calls.clear()
+    with set_checkpoint_early_stop(False):
+        checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert calls == ["after", "after"]
+
+
+def test_ddp_optimizer_is_on_by_default():
+    """torch._dynamo.config.optimize_ddp defaults to True (DDPOptimizer)."""
+    code = "import torch._dynamo.config as c; print(c.optimize_ddp)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 WORKER = textwrap.dedent("""
     import os
     import torch.distributed as dist
