@@ -133,6 +133,33 @@ def test_only_short_tensors_failing_get_the_short_tensor_hint():
     assert "regular lengths fail too" not in awkward.hint
 
 
+def _ring_with(sizes, **roles):
+    spec = get_spec("ring_all_reduce")
+    spec.world_sizes = sizes
+    cells, _ = extract([("<planted>", pathlib.Path(ring_left_bugs.__file__).read_text())])
+    return run_check(spec, cells, dict(spec.roles, main="ring_all_reduce_leftward", **roles),
+                     timeout=20)
+
+
+def test_an_even_split_is_not_the_lessons_chunks():
+    """Chunks of lengths differing by one fail chunk_bounds, and the halves cut with them."""
+    result = _ring_with((3,), chunk_bounds="chunk_bounds_even_split",
+                        reduce_scatter="ring_reduce_scatter_even_split")
+    bounds = result.criterion("chunk_bounds_correct")
+    assert not bounds.passed and "an even split" in bounds.detail
+    assert "dist.reduce_scatter_tensor" in bounds.hint and "only the last ones" in bounds.hint
+    halves = result.criterion("reduce_scatter_owns_chunk_r")
+    assert not halves.passed and "chunk_bounds fails too" in halves.hint
+    assert result.criterion("matches_all_reduce").passed
+
+
+def test_chunks_past_the_end_get_the_clipping_hint():
+    result = _ring_with((2,), chunk_bounds="chunk_bounds_unclipped")
+    bounds = result.criterion("chunk_bounds_correct")
+    assert not bounds.passed and "past the tensor's end" in bounds.detail
+    assert "stop at its end" in bounds.hint
+
+
 # -- 09: the price of the halving-doubling all-reduce ---------------------------------------
 
 def _replay(per_rank: list, alpha: float, beta: float) -> float:

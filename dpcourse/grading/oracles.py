@@ -38,11 +38,14 @@ def collective(op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 # -- lesson 04: the ring's chunks and its result ---------------------------------------------
 def chunk_bounds(numel: int, world_size: int, index: int) -> tuple[int, int]:
-    """Chunk ``index`` of ``numel`` cut into ``world_size`` parts whose sizes differ by <= 1."""
-    sizes = [numel // world_size + (1 if i < numel % world_size else 0)
-             for i in range(world_size)]
-    start = sum(sizes[:index])
-    return start, start + sizes[index]
+    """Chunk ``index`` of ``numel`` elements as ``dist.reduce_scatter_tensor`` cuts them.
+
+    The tensor is padded to ``world_size`` blocks of ``ceil(numel / world_size)``
+    elements and block ``index`` goes to rank ``index``; its real elements are
+    that block clipped to ``numel``, so the last chunks may be short or empty.
+    """
+    block = (numel + world_size - 1) // world_size
+    return min(index * block, numel), min((index + 1) * block, numel)
 
 
 def all_reduce_sum(inputs: list[torch.Tensor]) -> torch.Tensor:

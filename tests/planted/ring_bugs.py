@@ -5,9 +5,8 @@ import torch.distributed as dist
 
 
 def _bounds(numel, world_size, index):
-    base, extra = divmod(numel, world_size)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
+    per_chunk = -(-numel // world_size)  # lesson 04's chunks
+    return min(index * per_chunk, numel), min((index + 1) * per_chunk, numel)
 
 
 def _exchange(send, recv, rank, n):

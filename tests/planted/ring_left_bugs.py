@@ -5,9 +5,33 @@ import torch.distributed as dist
 
 
 def _bounds(numel, world_size, index):
+    """Lesson 04's chunks: ceil(numel / N) each, the last ones short or empty."""
+    per_chunk = -(-numel // world_size)
+    return min(index * per_chunk, numel), min((index + 1) * per_chunk, numel)
+
+
+def chunk_bounds_even_split(numel, world_size, index):
+    """Chunk lengths differing by at most one, longer ones first: not the lesson's layout."""
     base, extra = divmod(numel, world_size)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
+
+
+def chunk_bounds_unclipped(numel, world_size, index):
+    """The lesson's chunk length, but the last chunks run past the tensor's end."""
+    per_chunk = -(-numel // world_size)
+    return index * per_chunk, (index + 1) * per_chunk
+
+
+def ring_reduce_scatter_even_split(tensor, group=None):
+    """The leftward reduce-scatter, right schedule, cut with the even split."""
+    flat, rank, n = tensor.view(-1), dist.get_rank(), dist.get_world_size()
+    for s in range(n - 1):
+        a0, a1 = chunk_bounds_even_split(flat.numel(), n, (rank + s + 1) % n)
+        b0, b1 = chunk_bounds_even_split(flat.numel(), n, (rank + s + 2) % n)
+        buf = torch.empty_like(flat[b0:b1])
+        _exchange(flat[a0:a1], buf, (rank - 1) % n, (rank + 1) % n)
+        flat[b0:b1] += buf
 
 
 def _exchange(send, recv, to, frm):

@@ -4,10 +4,12 @@ Lesson 04's ring passes chunks to the right (rank r sends to r + 1). The
 exercise's ring passes them to the left (rank r sends to r - 1 and receives
 from r + 1), while rank r still ends the reduce-scatter owning chunk r, as
 torch's reduce-scatter leaves chunk r on rank r: the schedule has to be worked
-out anew. The ranks run on the grader's process group, which offers only
-point-to-point messages: no collective exists to call. The grader delivers
-every message, so it knows each rank's peers and bytes, and it checks the sums
-against its own oracle on fresh random tensors
+out anew. Its chunks are lesson 04's (``dist.reduce_scatter_tensor``'s layout),
+also for lengths the lesson did not show: fewer elements than ranks, or several
+chunks short or empty (5 elements on 4 ranks). The ranks run on the grader's process
+group, which offers only point-to-point messages: no collective exists to call.
+The grader delivers every message, so it knows each rank's peers and bytes, and
+it checks the sums against its own oracle on fresh random tensors
 (:mod:`~dpcourse.grading.checks.ring_verdicts`, which ranks cannot import).
 """
 
@@ -78,11 +80,12 @@ class RingAllReduce(Exercise):
                   "A rank sent more bytes than the ring needs: its messages carried more than "
                   "one chunk, or the data went through one rank that collected everything.",
                   weight=2, needs=(MATCH, "ring_neighbours_only")),
-        Criterion("chunk_bounds_correct", "chunk_bounds(numel, world_size, index) cuts like the "
-                  "lesson: sizes differ by at most one, the first numel % N chunks are longer",
-                  "Your bounds leave a gap or an overlap, or give the extra elements to other "
-                  "chunks than the first: compare your chunks with torch.tensor_split's for a "
-                  "length N does not divide.", requires="chunk_bounds"),
+        Criterion("chunk_bounds_correct", "chunk_bounds(numel, world_size, index) cuts like "
+                  "lesson 04's ring (as dist.reduce_scatter_tensor cuts a padded tensor), also "
+                  "when several chunks are short or empty",
+                  "Your bounds leave a gap or an overlap, or cut other lengths than lesson 04's "
+                  "ring: write out on paper the chunks of 9 elements on 4 ranks and of 5 "
+                  "elements on 4 ranks.", requires="chunk_bounds"),
         Criterion("reduce_scatter_owns_chunk_r", "after ring_reduce_scatter, chunk r on rank r "
                   "holds the sum over all ranks", "The fully summed chunk ends on the wrong "
                   "rank: the chunk a rank receives at the last step, from its right neighbour, "

@@ -17,11 +17,15 @@ from dpcourse.grading.criteria import mismatch, tolerance
 
 _SCALED = "every value {} times too small or too large"
 _ALL = "all of them"
+_EVEN = "an even split (chunk lengths differing by at most one) everywhere"
+_PAST = "past the tensor's end"
 
 
 def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     """Judge every rank's sums, halves, bounds and messages against the oracles."""
     recs = []
+    if outputs[0]["bounds"]:  # first: the halves' hints depend on whether it failed
+        recs.append(_judge_bounds(inputs[0]["bounds"], outputs[0]["bounds"]))
     for k, case in enumerate(inputs[0]["cases"]):
         name, crit = case["case"], case["crit"]
         xs = [inputs[r]["cases"][k]["x"] for r in range(ws)]
@@ -70,8 +74,6 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
         for i in range(len(outputs[0][key])):
             recs += [_neighbours(r, ws, events_of(events[r], f"{role} {i}"), f"{role} {i}")
                      for r in range(ws)]
-    if outputs[0]["bounds"]:
-        recs.append(_judge_bounds(inputs[0]["bounds"], outputs[0]["bounds"]))
     return recs
 
 def _judge_halves(ws, inputs, outputs, recs) -> None:
@@ -95,13 +97,27 @@ def _judge_halves(ws, inputs, outputs, recs) -> None:
             recs.append(CaseVerdict("all_gather_copies_chunks", not diff, f"rank {r}: {diff}",
                                f"length {numel}"))
 
+def _even_split(numel: int, world_size: int, index: int) -> list[int]:
+    """Chunk ``index`` of an even split (the first ``numel % N`` chunks one longer): a mistake."""
+    base, extra = divmod(numel, world_size)
+    start = index * base + min(index, extra)
+    return [start, start + base + (1 if index < extra else 0)]
+
+
 def _judge_bounds(queries, answers) -> CaseVerdict:
     for (numel, w, i), got in zip(queries, answers):
         want = list(oracles.chunk_bounds(numel, w, i))
-        if got != want:
-            return CaseVerdict("chunk_bounds_correct", False,
-                          f"chunk_bounds({numel}, {w}, {i}) gave {got}, expected {want}",
-                          f"chunk_bounds({numel}, {w}, {i})")
+        # An empty chunk slices nothing wherever it starts inside the tensor.
+        empty = want[0] == want[1] and isinstance(got, list) and len(got) == 2 and \
+            0 <= got[0] == got[1] <= numel
+        if got != want and not empty:
+            detail = f"chunk_bounds({numel}, {w}, {i}) gave {got}, expected {want}"
+            if all(a == _even_split(*q) for q, a in zip(queries, answers)):
+                detail += f"; your chunks are {_EVEN}"
+            elif isinstance(got, list) and got and max(got) > numel:
+                detail += f": {_PAST}, {numel}"
+            return CaseVerdict("chunk_bounds_correct", False, detail,
+                               f"chunk_bounds({numel}, {w}, {i})")
     return CaseVerdict("chunk_bounds_correct", True)
 
 
@@ -122,6 +138,21 @@ def _neighbours(r: int, ws: int, mine: list, case: str) -> CaseVerdict:
 def cause(spec, ws: int, rec: CaseVerdict) -> str:
     """The hint for the cause of a failing record of the ring check (see ``follow_causes``)."""
     text = rec.detail
+    if rec.criterion == "chunk_bounds_correct":
+        if _EVEN in text:
+            return ("Your chunks differ in length by at most one, longer ones first. Lesson "
+                    "04's ring cuts as dist.reduce_scatter_tensor cuts a tensor padded to a "
+                    "multiple of N: every chunk as long as the first, only the last ones short "
+                    "or empty. Write out 10 elements on 4 ranks both ways.")
+        if _PAST in text:
+            return ("A chunk reaches past the tensor's end: when N chunks of the lesson's "
+                    "length are more than the tensor holds, the last chunks stop at its end, "
+                    "and one that would start beyond it is empty there.")
+        return ""
+    if rec.criterion in ("reduce_scatter_owns_chunk_r", "all_gather_copies_chunks") and \
+            failed(spec, "chunk_bounds_correct"):
+        return ("chunk_bounds fails too (see chunk_bounds_correct), and your halves cut the "
+                "tensor with it: fix it first.")
     if rec.criterion == "ring_neighbours_only" and "the way lesson 04's ring turns" in text:
         return ("Your ring turns right, like lesson 04's: rank r sent to r + 1. This ring turns "
                 "left (send to r - 1, receive from r + 1), and rank r must still end the "
@@ -160,5 +191,7 @@ def cause(spec, ws: int, rec: CaseVerdict) -> str:
                     "and an empty chunk must be skipped on both sides of a message (the given "
                     "ring_exchange skips it) or on neither.")
         return ("Only lengths that N does not divide fail: the two sides of a message cut the "
-                "tensor differently; cut every chunk with chunk_bounds on both sides.")
+                "tensor differently, or an empty chunk (the last of 9 elements on 4 ranks) was "
+                "sent or awaited on one side only; cut every chunk with chunk_bounds on both "
+                "sides.")
     return ""
