@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dpcourse.grading import CheckResult, CriterionResult, check, make_exercises
-from dpcourse.grading.checks import get_spec
+from dpcourse.grading.checks import REGISTRY, get_spec
 from dpcourse.grading.runner import run_check
 from dpcourse.grading.submission import extract, policy_findings
 from planted import ddp_bugs, notebooks, pure_bugs, ring_bugs
@@ -230,15 +230,16 @@ def test_solutions_score_full_marks_with_every_output(tmp_path):
     proc, report = _grade(tmp_path, ROOT / "solutions", "--csv", csv_path, "--lms-csv", lms,
                           "--feedback", fb)
     graded = [r for r in report["results"] if not r["not_graded"]]
-    full = 190 if TWO_GPUS else 180  # without 2 GPUs exercise 12 is not graded, not failed
+    every = 10 * len(REGISTRY)
+    full = every if TWO_GPUS else every - 10  # without 2 GPUs exercise 12 is not graded
     assert all(nb["status"] == _expected_status(nb) for nb in report["notebooks"]), \
         report["notebooks"]
-    assert len(report["results"]) == 19 and len(graded) == full // 10
+    assert len(report["results"]) == len(REGISTRY) and len(graded) == full // 10
     for row in graded:
         assert row["passed"] == row["total"] > 0, (row["check"], [
             (c["name"], c["detail"]) for c in row["criteria"] if not c["passed"]])
     assert report["points"] == report["max_points"] == full
-    assert report["not_graded_points"] == 190 - full
+    assert report["not_graded_points"] == every - full
     rows = list(csv.DictReader(csv_path.open()))
     assert len(rows) == sum(r["total"] for r in graded) + len(report["results"]) - len(graded)
     # rows are rounded to 0.01 points, and a check's rows still add up to its points
@@ -256,14 +257,9 @@ def test_exercises_run_through_and_score_zero(tmp_path):
     _, report = _grade(tmp_path, ROOT / "exercises")
     assert all(nb["status"] == _expected_status(nb) for nb in report["notebooks"]), \
         report["notebooks"]
-    assert {r["check"] for r in report["results"]} == {
-        "mean_gradient", "uneven_all_gather", "ring_all_reduce", "halving_doubling",
-        "naive_ddp", "naive_ddp_complete",
-        "assign_buckets", "first_bucket", "overlapped_ddp", "arrival_order", "no_sync",
-        "token_weighted", "checkpoint_resume", "ring_cost", "join_shadow",
-        "error_feedback_hook", "nvlink_kernels", "sharded_step", "fsdp_hooks"}
+    assert {r["check"] for r in report["results"]} == set(REGISTRY)  # every check, once
     graded = [r for r in report["results"] if not r["not_graded"]]
-    assert len(graded) == 19 if TWO_GPUS else 18
+    assert len(graded) == len(REGISTRY) - (0 if TWO_GPUS else 1)
     for row in graded:
         assert row["points"] == 0 and row["total"] > 0, row
     assert all(any("not implemented yet" in n for n in r["notes"]) for r in graded)
@@ -346,6 +342,50 @@ def test_the_grader_decides_the_skip_and_starts_nothing_for_it(monkeypatch):
     assert objs["main"].source.startswith("def one_shot_kernel(")  # @kernel found its text
     with pytest.raises(RuntimeError, match="at least 2 CUDA GPUs"):
         spec.rank_run(None, objs, inputs)
+
+
+def _kernels_on_gloo(kernels, inputs, wrong_at):
+    """Exercise 12's GPU rank on CPU ranks, the learner's kernel replaced by gloo's all-reduce."""
+    import torch.distributed as dist
+
+    import dpcourse.comm.kernels.exercise as exercise
+    from dpcourse.grading.checks.ex12_nvlink_kernels import gpu_rank
+
+    def all_reduce_with(learner, kind):
+        def fn(x):
+            dist.all_reduce(x)
+            if x.numel() == wrong_at:
+                x[-1] += 1  # the last element wrong, alike on every rank: a mask one short
+        return fn
+
+    exercise.all_reduce_with = all_reduce_with
+    return gpu_rank(kernels, inputs)
+
+
+@pytest.mark.timeout(600)
+def test_exercise_12_is_judged_in_the_grader_from_values_at_its_own_positions(monkeypatch):
+    """The GPU ranks return values only; the grader makes the inputs again and judges them."""
+    import random
+
+    import dpcourse
+    import dpcourse.grading.checks.ex12_nvlink_kernels as ex12
+    from dpcourse.comm.kernels.exercise import LearnerKernel
+
+    monkeypatch.setattr(ex12, "_gpu_count", lambda: 2)
+    spec = get_spec("nvlink_kernels")
+    (inputs,) = spec.make_inputs(random.Random(12), 1)
+    assert inputs["world_sizes"] == [2] and len(inputs["offsets"]) == ex12.CALLS
+    inputs["offsets"] = inputs["offsets"][:30]  # fewer calls back to back: CPU ranks are slow
+    inputs["sampled"] = sorted({s for s in inputs["sampled"] if s < 30} | {29})
+    kernel = LearnerKernel("one_shot_kernel", "def one_shot_kernel(x):\n    pass\n")
+    for wrong_at, failing in ((None, set()),
+                              (4097, {"one_shot_awkward_lengths", "one_shot_back_to_back"}),
+                              (300_001, {"one_shot_awkward_lengths", "one_shot_back_to_back"})):
+        ranks = dpcourse.run(_kernels_on_gloo, {"one_shot": kernel}, inputs, wrong_at,
+                             world_size=2, backend="gloo", device="cpu", timeout=300)
+        recs = spec.judge(1, [inputs], [[{"ws": 2, "ranks": ranks}]], [[]])
+        assert {r.criterion for r in recs if not r.passed} == failing, wrong_at
+        assert {r.criterion for r in recs} >= {f"one_shot_{c.name}" for c in ex12.CRITERIA}
 
 
 def test_exercise_12_check_in_a_notebook_without_gpus_says_where_to_run_it(capsys, monkeypatch):
@@ -490,7 +530,6 @@ def test_hints_name_causes_without_handing_over_code():
     """A hint says what the failure shows and why; the code and the formula stay the learner's."""
     import re
 
-    from dpcourse.grading.checks import REGISTRY
 
     code = re.compile(r"\w\(|\s=\s|%|\*\*|>=|\bdist\.\w|\.\w+\(")
     for name, cls in REGISTRY.items():
