@@ -1,4 +1,4 @@
-"""One sharding layout: the ring, ZeRO, FSDP and the kernels' schedule cut a tensor as torch does.
+"""One sharding layout: the ring, ZeRO, FSDP, the kernels and exercise 04's grader cut as torch does.
 
 ``dist.reduce_scatter_tensor`` on gloo is asked which elements of a padded flat
 tensor land on each rank; every component that shards must give each rank the
@@ -16,6 +16,7 @@ import dpcourse
 from dpcourse.comm import chunk_size, ring_reduce_scatter, shard_range
 from dpcourse.comm.kernels.schedule import two_shot_plan
 from dpcourse.fsdp import FlatParams
+from dpcourse.grading import oracles
 from dpcourse.zero.layout import make_shard_buckets
 
 LENGTHS = (1, 3, 5, 7, 10, 13, 37)
@@ -102,7 +103,8 @@ def layouts_worker():
             out[(world, n)] = {"torch": _torch_ranges(n, group), "ring": _ring_range(n, group),
                                "zero": _zero_range(n, group), "fsdp": _fsdp_range(n, group),
                                "kernel": _kernel_range(n, world, r),
-                               "shard_range": shard_range(n, world, r)}
+                               "shard_range": shard_range(n, world, r),
+                               "grader": oracles.chunk_bounds(n, world, r)}
     return out
 
 
@@ -124,7 +126,7 @@ def test_every_component_shards_as_reduce_scatter_tensor(layouts):
                 assert same, f"{name} on rank {rank} of {world}, {n} elements: " \
                              f"{bounds}, reduce_scatter_tensor gives {want}"
                 checked += 1
-    assert checked == 5 * len(LENGTHS) * sum(WORLD_SIZES)
+    assert checked == 6 * len(LENGTHS) * sum(WORLD_SIZES)
 
 
 def test_ten_elements_on_four_ranks():
