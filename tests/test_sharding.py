@@ -1,4 +1,4 @@
-"""One sharding layout: the ring, ZeRO, FSDP, the kernels and exercise 04's grader cut as torch does.
+"""One sharding layout: ring, ZeRO, FSDP, kernels and exercise 04's grader cut as torch does.
 
 ``dist.reduce_scatter_tensor`` on gloo is asked which elements of a padded flat
 tensor land on each rank; every component that shards must give each rank the
