@@ -85,17 +85,16 @@ class Reducer:
 
     def __init__(self, wrapper: Any, module: nn.Module, group: dist.ProcessGroup | None,
                  all_reduce: AllReduce | None, bucket_cap_mb: float | None = None, *,
-                 broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, static_graph: bool = False,
-                 first_bucket_mb: float | None = None, rebuild_buckets: bool = False,
-                 gradient_as_bucket_view: bool = True):
-        # Validated before the checks' first collective.
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+                 static_graph: bool = False, first_bucket_mb: float | None = None,
+                 rebuild_buckets: bool = False, gradient_as_bucket_view: bool = True):
+        # The caps are validated before the checks' first collective.
         self.bucket_cap_mb = None if bucket_cap_mb is None else check_bucket_cap(bucket_cap_mb)
+        if first_bucket_mb is not None:
+            check_bucket_cap(first_bucket_mb)
         self.named_params = guards.check_wrappable(module, group, all_reduce)
         self.group, self.world_size = group, dist.get_world_size(group)
         self.all_reduce = partial(sum_over_ranks, group=group, all_reduce=all_reduce)
-        if first_bucket_mb is not None:
-            check_bucket_cap(first_bucket_mb)
         self._ref = weakref.ref(wrapper)  # the wrapper holds its reducer, not the other way
         wrapper._join_config = _JoinConfig.construct_disabled_join_config()  # Join sets its own
         self.broadcast_buffers = bool(broadcast_buffers)
