@@ -115,7 +115,7 @@ def _judge_bounds(queries, answers) -> CaseVerdict:
             if all(a == _even_split(*q) for q, a in zip(queries, answers)):
                 detail += f"; your chunks are {_EVEN}"
             elif isinstance(got, list) and got and max(got) > numel:
-                detail += f": {_PAST}, {numel}"
+                detail += f": {_PAST} (numel = {numel})"
             return CaseVerdict("chunk_bounds_correct", False, detail,
                                f"chunk_bounds({numel}, {w}, {i})")
     return CaseVerdict("chunk_bounds_correct", True)
