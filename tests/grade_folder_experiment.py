@@ -293,7 +293,8 @@ def build_class(folder: str, honest_indices, canary: str, json_path: str,
            "json": [json_path],
            "site": [],
            "package_files": [os.path.join(PACKAGE, "formatting.py"),
-                             os.path.join(PACKAGE, "grading", "checks", "join_verdicts.py")],
+                             os.path.join(PACKAGE, "grading", "checks", "join_verdicts.py"),
+                             os.path.join(REPO, "solutions", EXERCISES[0])],
            "secrets": [os.path.join(REPO, "solutions", n) for n in EXERCISES],
            "forks": forks}
     nbformat.write(hostile_notebook(cfg), path)
@@ -347,14 +348,19 @@ def changed(before: dict, after: dict) -> list[str]:
     return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
 
 
-def marked_files(roots: list[str], marker: str) -> list[str]:
-    """Files under ``roots`` (Python sources and ``.pth``) whose text holds ``marker``."""
+def marked_files(roots: list[str], marker: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """Files under ``roots`` (Python sources, ``.pth``, notebooks) whose text holds ``marker``.
+
+    ``skip``: files that hold it from the start (the hostile notebook itself).
+    """
     found = []
     for root in roots:
         for folder, _, names in os.walk(root):
             for name in names:
-                if name.endswith((".py", ".pth")) or marker in name:
+                if name.endswith((".py", ".pth", ".ipynb")) or marker in name:
                     path = os.path.join(folder, name)
+                    if path in skip:
+                        continue
                     try:
                         with open(path, "rb") as f:
                             if marker.encode() in f.read() or marker in name:
@@ -481,7 +487,8 @@ def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
     Args:
         n: notebooks in the folder, the hostile one included.
         work: an empty folder for the class, the outputs and the canary.
-        jobs: honest notebooks graded alone at the same time (each its own grading call).
+        jobs: honest notebooks graded alone at the same time (each its own grading call),
+            beside the grading of the whole folder.
         forks: children the hostile code forks, from the kernel and from each rank.
     """
     marker = f"hostile{os.getpid()}x{int(time.time())}"
@@ -501,17 +508,20 @@ def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
         shutil.copy(path, single)
         return sub, grade([single], os.path.join(outs, f"alone-{sub}.json"))
 
-    t0 = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        alone_runs = dict(pool.map(alone, sorted(built["honest"])))
-    alone_wall = time.monotonic() - t0
-
     sites = site_folders()
     roots = {"class folder": (folder, True), "course package": (PACKAGE, True),
              "solutions": (os.path.join(REPO, "solutions"), True),
              **{f"site {s}": (s, False) for s in sites}}
     before = {k: tree_state(r, c) for k, (r, c) in roots.items()}
-    in_folder = grade([folder], json_path)
+    # The folder is graded while the alone calls run (they touch none of its files):
+    # scores must not depend on what else the machine does.
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as one:
+        folder_run = one.submit(grade, [folder], json_path)
+        with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+            alone_runs = dict(pool.map(alone, sorted(built["honest"])))
+        alone_wall = time.monotonic() - t0
+        in_folder = folder_run.result()
     after = {k: tree_state(r, c) for k, (r, c) in roots.items()}
     time.sleep(2)  # a daemon that outlives the grader would still be there now
     survivors = processes_with(marker)
@@ -520,12 +530,15 @@ def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    marked = marked_files([PACKAGE, *sites, folder, outs], marker)
+    solutions = os.path.join(REPO, "solutions")
+    marked = marked_files([PACKAGE, solutions, *sites, folder, outs], marker,
+                          skip=(built["hostile"][1],))
     canaries = sorted(os.listdir(canary))
     diffs = {k: changed(before[k], after[k]) for k in roots}
-    # Others edit the checkout meanwhile: a changed package file counts against the
-    # hostile notebook when it holds the marker the hostile code writes.
-    by_hostile = [p for p in marked if p.startswith(PACKAGE + os.sep)]
+    # Others edit the checkout meanwhile: a changed file of the package or of solutions/
+    # counts against the hostile notebook when it holds the marker the hostile code writes.
+    checkout = ("course package", "solutions")
+    by_hostile = [p for p in marked if p.startswith((PACKAGE + os.sep, solutions + os.sep))]
     undo_marks([p for p in marked if not p.startswith(folder)], marker)
 
     folder_v = verdicts(in_folder["json"])
@@ -555,18 +568,19 @@ def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
         "hostile": {"result": hostile, "kernel_report": reports["kernel"],
                     "rank_reports": reports["ranks"], "breaches_reported": breaches},
         "files_changed": diffs,
-        "files_unchanged": not any(v for k, v in diffs.items() if k != "course package")
+        "files_unchanged": not any(v for k, v in diffs.items() if k not in checkout)
         and not by_hostile,
-        "course_package_note": "course package files changed during the run hold no marker of "
-        "the hostile code (edits of the checkout made meanwhile)" if not by_hostile else
-        f"the hostile code changed {by_hostile}",
+        "checkout_note": "files of the course package and solutions/ changed during the run "
+        "hold no marker of the hostile code (edits of the checkout made meanwhile)"
+        if not by_hostile else f"the hostile code changed {by_hostile}",
         "files_with_marker": marked, "canary_files": canaries,
         "surviving_processes": survivors,
         "folder_grading": {"rc": in_folder["rc"], "wall_s": in_folder["wall_s"],
                            "output_tail": in_folder["output"][-3000:]},
         "alone_grading": {"calls": len(alone_runs), "wall_s": round(alone_wall, 1),
                           "sum_of_calls_s": round(sum(r["wall_s"] for r in alone_runs.values()), 1),
-                          "concurrent_calls": jobs},
+                          "concurrent_calls": jobs,
+                          "note": "the folder was graded at the same time as the alone calls"},
         "grade_timeout_s": TIMEOUT,
     }
 

@@ -22,12 +22,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grade_folder_experiment as gx  # noqa: E402
 
-# honest_notebook() indices: exercise 01's and 09's solutions, exercise 01 unchanged.
-HONEST = (0, 2, 3)
+# honest_notebook() indices: exercise 01's solution (10/10) and exercise 01 unchanged (0/10).
+HONEST = (0, 3)
 
-
-pytestmark = pytest.mark.skipif(gx.shutil.which("bwrap") is None,
-                                reason="bubblewrap is not installed")
+# Two grading calls at once; on a loaded 2-core machine they take minutes, so the limit
+# is the subprocesses' own (900 s), not the suite's default.
+pytestmark = [pytest.mark.skipif(gx.shutil.which("bwrap") is None,
+                                 reason="bubblewrap is not installed"),
+              pytest.mark.timeout(1000)]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,9 @@ def graded(tmp_path_factory):
         shutil.copytree(os.path.join(folder, sub), os.path.join(reference, sub))
 
     sites = gx.site_folders()
-    roots = {"class folder": (folder, True), "solutions": (os.path.join(gx.REPO, "solutions"), True),
-             **{f"site {s}": (s, False) for s in sites}}
+    # The checkout (package, solutions/) is edited by others meanwhile: a change there counts
+    # when it holds the hostile code's marker (it appends one to every file it can write).
+    roots = {"class folder": (folder, True), **{f"site {s}": (s, False) for s in sites}}
     before = {k: gx.tree_state(r, c) for k, (r, c) in roots.items()}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         alone = pool.submit(gx.grade, [reference], os.path.join(outs, "reference.json"), limit=900)
@@ -62,7 +65,9 @@ def graded(tmp_path_factory):
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    marked = gx.marked_files([gx.PACKAGE, *sites, folder, outs], marker)
+    solutions = os.path.join(gx.REPO, "solutions")
+    marked = gx.marked_files([gx.PACKAGE, solutions, *sites, folder, outs], marker,
+                             skip=(built["hostile"][1],))
     gx.undo_marks([p for p in marked if not p.startswith(folder)], marker)
     return {"honest": honest, "hostile": hostile_sub, "alone": alone, "together": together,
             "changed": {k: gx.changed(before[k], after[k]) for k in roots}, "marked": marked,
@@ -100,7 +105,7 @@ def test_hostile_notebook_gets_a_clear_result_and_its_attacks_ran(graded):
 
 def test_no_file_outside_the_scratch_changed(graded):
     assert graded["changed"] == {k: [] for k in graded["changed"]}
-    assert graded["marked"] == []  # no package, site-packages or output file holds its marker
+    assert graded["marked"] == []  # no file of the checkout, site-packages or outputs holds its marker
     assert graded["canary"] == []  # nothing it wrote reached a folder outside the sandbox
 
 
