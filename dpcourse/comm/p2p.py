@@ -12,9 +12,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-# Re-exported: dpcourse.ddp's wrappers import the all-reduce signature from here.
-from dpcourse.comm.collective import AllReduce  # noqa: F401
-
 
 def group_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """Return this process's rank inside ``group`` and the group's size.

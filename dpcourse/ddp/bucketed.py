@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Joinable
 
-from dpcourse.comm.p2p import AllReduce
+from dpcourse.comm.collective import AllReduce
 from dpcourse.ddp import guards, torch_interface
 from dpcourse.ddp.broadcast import broadcast_module_state
 from dpcourse.ddp.buckets import attach_grads_to_buckets

@@ -30,7 +30,7 @@ from torch.autograd import Variable
 from torch.distributed.algorithms.join import Joinable
 
 from dpcourse.comm.averaging import divide_before_sum
-from dpcourse.comm.p2p import AllReduce
+from dpcourse.comm.collective import AllReduce
 from dpcourse.ddp import guards, torch_interface
 from dpcourse.ddp.broadcast import broadcast_module_state
 from dpcourse.ddp.buckets import Bucket

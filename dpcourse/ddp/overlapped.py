@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from dpcourse.comm.p2p import AllReduce
+from dpcourse.comm.collective import AllReduce
 from dpcourse.ddp import guards, torch_interface
 from dpcourse.ddp.broadcast import broadcast_module_state
 from dpcourse.ddp.buckets import Bucket, attach_grads_to_buckets

@@ -40,8 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
-from dpcourse.comm.collective import sum_over_ranks
-from dpcourse.comm.p2p import AllReduce
+from dpcourse.comm.collective import AllReduce, sum_over_ranks
 from dpcourse.ddp import guards
 from dpcourse.ddp.broadcast import group_src
 from dpcourse.ddp.bucket_order import agree_on_order, assign_buckets_in_order
