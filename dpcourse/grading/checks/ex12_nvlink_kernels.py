@@ -244,12 +244,14 @@ def _judge_kind(kind: str, ws: int, inputs: dict, ranks: list) -> list[CaseVerdi
 def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, quiet: bool = False) -> dict:
     """Run ``check("nvlink_kernels", ...)``; return ``{"skipped", "message", "results"}``.
 
-    ``results`` is ``{kind: {criterion: passed}}`` for each kernel given.
+    ``results`` is ``{kind: {criterion: passed}}`` for each kernel given, empty when skipped.
     """
     from dpcourse.grading.runner import check
 
     extras = {"two_shot": two_shot_kernel} if two_shot_kernel is not None else {}
     result = check("nvlink_kernels", one_shot_kernel, quiet=quiet, **extras)
-    return {"skipped": bool(result.not_graded), "message": result.not_graded or "",
+    if result.not_graded:  # nothing ran: no criterion has a verdict
+        return {"skipped": True, "message": result.not_graded, "results": {}}
+    return {"skipped": False, "message": "",
             "results": {kind: {c.name: result.criterion(f"{kind}_{c.name}").passed
                                for c in CRITERIA} for kind in ("one_shot", *extras)}}
