@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcourse.ddp.base import broadcast_module_state
+from dpcourse.ddp.broadcast import broadcast_module_state
 from dpcourse.ddp.guards import check_same_model
 from dpcourse.ddp.rounds import BucketRound
 from dpcourse.device import rank_device
