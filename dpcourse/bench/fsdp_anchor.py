@@ -72,7 +72,17 @@ def _profiled_step(step, device) -> list[dict]:
 
 
 def fsdp_anchor(config: str = "auto", batches=BATCHES, iters: int = 8) -> dict:
-    """Step times per batch size and one profiled step per FSDP; call on every rank."""
+    """Step times per batch size and one profiled step per FSDP; call on every rank.
+
+    Args:
+        config: ``"gpt2_small"``, ``"tiny"`` or ``"auto"`` (GPT-2 small on GPU, tiny on CPU).
+        batches: sequences per rank to time; the profiled step uses 8 if listed, else the first.
+        iters: timed, interleaved steps per variant and batch size.
+
+    Returns:
+        ``{"config", "rank", "median_ms": {batch: {variant: ms}}, "profile": {variant:
+        {"span_ms", "busy_ms", "fsdp_host_ms"}}}``.
+    """
     from dpcourse.bench.sharded import build_variant
     from dpcourse.bench.timing import summarize, time_interleaved
     from dpcourse.bench.workload import gpt_config, make_step
@@ -85,12 +95,13 @@ def fsdp_anchor(config: str = "auto", batches=BATCHES, iters: int = 8) -> dict:
     cfg_name, cfg = gpt_config(config, device)
     built = {v: build_variant(v, cfg, device)[:3] for v in VARIANTS}
     out: dict = {"config": cfg_name, "rank": dist.get_rank(), "median_ms": {}, "profile": {}}
+    profiled = 8 if 8 in batches else batches[0]
     for batch in batches:
         idx, targets = (t.to(device) for t in random_tokens(batch, cfg, seed=dist.get_rank()))
         steps = {v: make_step(m, o, idx, targets, amp) for v, (m, o, amp) in built.items()}
         times = time_interleaved(steps, warmup=2, iters=iters)
         out["median_ms"][batch] = {v: 1e3 * summarize(t).median_s for v, t in times.items()}
-        if batch == 8 or batch == batches[0] and 8 not in batches:
+        if batch == profiled:
             for v in ("fsdp", "torch_fsdp_tuned"):
                 events = _profiled_step(steps[v], device)
                 out["profile"][v] = {**gpu_busy(events), "fsdp_host_ms": fsdp_host_ranges(events)}
@@ -108,14 +119,15 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="auto", choices=("auto", "gpt2_small", "tiny"))
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    world = max(torch.cuda.device_count(), 2)
-    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    per_rank = dpcourse.run(fsdp_anchor, args.config, world_size=world, backend=backend,
-                            timeout=600)
-    name = slug(torch.cuda.get_device_name(0)) if backend == "nccl" else "cpu"
-    path = os.path.join(args.out_dir, f"fsdp-anchor-{world}x-{name}.json")
+    plan = dpcourse.plan_ranks()  # the course's rank rule: one per GPU, else 2 CPU ranks
+    print(plan)
+    per_rank = dpcourse.run(fsdp_anchor, args.config, world_size=plan.world_size,
+                            backend=plan.backend, timeout=600)
+    name = slug(torch.cuda.get_device_name(0)) if plan.backend == "nccl" else "cpu"
+    path = os.path.join(args.out_dir, f"fsdp-anchor-{plan.world_size}x-{name}.json")
     with open(path, "w") as f:
-        json.dump({"benchmark": "fsdp-anchor", "environment": environment(backend, world),
+        json.dump({"benchmark": "fsdp-anchor",
+                   "environment": environment(plan.backend, plan.world_size),
                    "per_rank": per_rank}, f, indent=1)
     print("wrote", path)
     return 0
