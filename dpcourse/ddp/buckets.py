@@ -114,6 +114,8 @@ class Bucket:
         grads_are_views: each ``params[k].grad`` is ``views[k]`` (torch's
             ``gradient_as_bucket_view=True``); False: separate gradients, copied into
             the buffer at :meth:`launch` and back out when its handle is waited for.
+        placed: slots already put into the buffer, divided, by :meth:`place_grad`
+            since the last :meth:`launch`.
     """
 
     index: int
@@ -123,6 +125,7 @@ class Bucket:
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(repr=False)
     grads_are_views: bool = field(default=True, repr=False)
+    placed: set[int] = field(default_factory=set, repr=False)
 
     @property
     def numel(self) -> int:
@@ -153,6 +156,31 @@ class Bucket:
         param.grad = view
 
     @torch.no_grad()
+    def place_grad(self, k: int, divisor: int | None) -> None:
+        """Put ``params[k].grad`` into its slot, divided by ``divisor`` on the way (``None``: as is).
+
+        The overlapped wrapper calls it from the gradient's hook, as torch's reducer
+        does: dividing while copying reads and writes the gradient once, where copying
+        at launch and then dividing the whole bucket would read and write it twice.
+        A gradient that already is the slot (``gradient_as_bucket_view``) is divided
+        in place. ``divisor=None`` is for a communication hook, which divides itself.
+        """
+        param, view = self.params[k], self.views[k]
+        grad = param.grad
+        if grad is None:
+            view.zero_()  # no gradient this step: the slot contributes zeros
+        elif grad is view:
+            if divisor is not None:
+                view.div_(divisor)
+        elif divisor is not None:
+            torch.mul(grad, 1.0 / divisor, out=view)  # torch's reducer multiplies by 1/N here
+        else:
+            view.copy_(grad)
+        if self.grads_are_views:
+            param.grad = view
+        self.placed.add(k)
+
+    @torch.no_grad()
     def launch(self, all_reduce: Callable[..., Any], divisor: int, async_op: bool,
                comm_hook: Callable[[Bucket], Any] | None = None) -> Any:
         """Average the bucket in place: divide by ``divisor``, then ``all_reduce`` the buffer.
@@ -171,12 +199,19 @@ class Bucket:
             it orders the current stream after the collective; with separate gradients
             it also copies the result into each ``param.grad``), or ``None``.
         """
-        self.gather_grads()
+        divided = bool(self.placed)  # the hook put (and divided) some slots: the rest now
+        if divided:
+            for k in range(len(self.params)):
+                if k not in self.placed:
+                    self.place_grad(k, None if comm_hook is not None else divisor)
+            self.placed.clear()
+        else:
+            self.gather_grads()
         if comm_hook is not None:
             work = comm_hook(self)
         else:
-            # Divide before the sum, as torch DDP does (why: dpcourse.comm.averaging).
-            divide_before_sum(self.buffer, divisor)
+            if not divided:  # before the sum, as torch DDP does (why: dpcourse.comm.averaging)
+                divide_before_sum(self.buffer, divisor)
             work = all_reduce(self.buffer, async_op=async_op)
         return work if self.grads_are_views else _CopyOut(work, self)
 

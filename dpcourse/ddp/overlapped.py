@@ -12,12 +12,14 @@ bucket, which can only start when backward is done.
 
 One gradient's path, in this file but for the counting:
 
-1. :meth:`~DataParallelOverlapped._gradient_ready`, the hook: the gradient is
-   in its bucket (``param.grad`` is a view of the bucket's flat buffer);
+1. :meth:`~DataParallelOverlapped._gradient_ready`, the hook: it copies the
+   gradient into its slot of the bucket's flat buffer, divided by the world size on
+   the way (``Bucket.place_grad``); with ``gradient_as_bucket_view`` (our default)
+   ``param.grad`` becomes that slot;
 2. ``self._round.ready(b)`` (:class:`~dpcourse.ddp.rounds.BucketRound`) counts it;
    once bucket ``b`` and every bucket before it are complete, it calls
-3. :meth:`~DataParallelOverlapped._launch_bucket`: divide, then all-reduce the
-   bucket's buffer asynchronously (``Bucket.launch``);
+3. :meth:`~DataParallelOverlapped._launch_bucket`: all-reduce the bucket's buffer
+   asynchronously (``Bucket.launch``);
 4. at the end of backward, :meth:`~DataParallelOverlapped.finish_gradient_synchronization`
    has the round wait for every launched bucket, in launch order
    (:meth:`~DataParallelOverlapped._wait_bucket`).
@@ -44,7 +46,7 @@ from torch.distributed.algorithms.join import Joinable
 from dpcourse.comm.collective import AllReduce
 from dpcourse.ddp import guards, torch_interface
 from dpcourse.ddp.broadcast import broadcast_module_state
-from dpcourse.ddp.buckets import Bucket, attach_grads_to_buckets
+from dpcourse.ddp.buckets import Bucket
 from dpcourse.ddp.grad_hooks import hook_every_parameter
 from dpcourse.ddp.reducer import Reducer
 from dpcourse.ddp.rounds import BucketRound
@@ -97,6 +99,7 @@ class DataParallelOverlapped(nn.Module, Joinable):
         # 3. Where this rank is in the step.
         self._sync_this_backward = True   # the last forward was outside no_sync
         self._unsynced: set[int] = set()  # params with a gradient not yet averaged
+        self._divisor: int | None = None  # set when a synchronised backward starts
         # 4. The hook, on every trainable parameter.
         self._hook_handles = hook_every_parameter(self, self._gradient_ready)  # held weakly
 
@@ -114,8 +117,8 @@ class DataParallelOverlapped(nn.Module, Joinable):
         if torch.is_grad_enabled():
             if self.reducer.rebuild_pending and self.reducer.arrival:  # lesson 11
                 self._use_buckets(*self.reducer.rebuild())
-            if self.reducer.gradient_as_bucket_view:
-                attach_grads_to_buckets(self.buckets)
+            for bucket in self.buckets:
+                bucket.placed.clear()  # a backward that raised may have placed some
         output = self.module(*args, **kwargs)
         return self.reducer.post_forward(output, self._sync_this_backward)  # unused parameters
 
@@ -127,16 +130,20 @@ class DataParallelOverlapped(nn.Module, Joinable):
         self._unsynced.add(index)
         self.reducer.note_used(index)
         b, k = self._where[index]
-        if self.reducer.gradient_as_bucket_view and param.grad is not self.buckets[b].views[k]:
-            self.buckets[b].attach_grad(k)  # autograd made a new tensor: into the bucket
-        if self._sync_this_backward:  # inside no_sync the gradient stays local
+        if self._sync_this_backward:
+            # Into the bucket, divided on the way: one pass over the gradient (torch does the same).
+            self.buckets[b].place_grad(k, self._divisor)
             self.reducer.note_ready(index)
             self._round.ready(b)  # the bucket's last gradient: launch it (and complete ones after it)
+        elif self.reducer.gradient_as_bucket_view and param.grad is not self.buckets[b].views[k]:
+            self.buckets[b].attach_grad(k)  # inside no_sync: accumulate in the bucket, undivided
 
     def _start_backward(self) -> None:
         """The first gradient of a synchronised backward: sync once autograd is done."""
         guards.check_backward_start(self)
         self._round.start()  # autograd will call self._backward_end once backward is done
+        # What each gradient is divided by; None: a communication hook reduces (and divides).
+        self._divisor = None if self.reducer.reduce_hook() else self.reducer.divisor()
         # Parameters the forward did not use (find_unused_parameters) get no gradient:
         # their slots (zeros) are ready now, so their buckets need not wait.
         for i in self.reducer.unused_at_forward:
