@@ -284,7 +284,7 @@ def test_no_sandbox_grades_and_marks_every_score(tmp_path):
 ORPHANS = textwrap.dedent('''
     import json, os, sys, time
     import psutil
-    from dpcourse.grading import procs
+    from dpcourse.launch import reaper as procs
 
     with procs.subreaper():
         before = {p.pid for p in psutil.Process().children()}
@@ -327,7 +327,7 @@ def test_reaping_leaves_a_child_its_owner_still_waits_for():
         if all(psutil_status(p.pid) == "zombie" for p in (kept, other)):
             break
         time.sleep(0.1)
-    from dpcourse.grading import procs
+    from dpcourse.launch import reaper as procs
 
     assert procs.reap(keep={kept.pid}) >= 1
     assert psutil_status(other.pid) is None  # reaped

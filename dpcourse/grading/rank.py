@@ -9,6 +9,7 @@ compares in its own process.
 
 from __future__ import annotations
 
+import base64
 import faulthandler
 import importlib.abc
 import os
@@ -19,7 +20,7 @@ import traceback
 
 # Besides these, every check's ``*_verdicts`` module (see ``Exercise.verdicts``).
 BLOCKED = ("dpcourse.grading.oracles", "dpcourse.grading.runner", "dpcourse.grading.world",
-           "dpcourse.grading.relay", "dpcourse.grading.autograde", "dpcourse.grading.gradebook",
+           "dpcourse.grading.autograde", "dpcourse.grading.gradebook",
            "dpcourse.grading.executor", "dpcourse.grading.integrity")
 
 
@@ -47,28 +48,24 @@ def main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     sock.settimeout(None)
 
-    from dpcourse.grading import shim, wire
-    from dpcourse.grading.graded_imports import make_builtins, rebind
-    from dpcourse.grading.wire import Link
+    from dpcourse.grading import wire
     from dpcourse.grading.checks import get_spec
+    from dpcourse.grading.shim import DistModule, make_builtins, rebind
     from dpcourse.grading.submission import load
 
     header, _ = wire.recv_blocking(sock)
     spec = get_spec(header["check"])
-    link = Link(sock)
-    dist = shim.DistModule(link, spec.dist_api, spec.dist_why)
+    link = wire.Link(sock)
+    dist = DistModule(link, spec.dist_api, spec.dist_why)
 
     def fail(exc: BaseException, during: str) -> None:
         name = type(exc).__name__
-        text = f"{name}: {exc}"
-        link.send({"t": "error", "exc_type": name, "text": f"{during}: {text}",
+        link.send({"t": "error", "exc_type": name, "text": f"{during}: {name}: {exc}",
                    "traceback": _learner_traceback(exc)})
 
     try:
         table = make_builtins(dist)
         if header.get("pickled"):  # the learner's own check() on objects without source
-            import base64
-
             import cloudpickle
 
             learner = rebind(cloudpickle.loads(base64.b64decode(header["pickled"])), dist, table)

@@ -1,10 +1,11 @@
 """The ``torch.distributed`` a graded rank sees: only what the exercise allows, carried by the grader.
 
-Graded code runs in rank processes the grader starts. Its ``import
-torch.distributed as dist`` resolves to a :class:`DistModule` built here, not
-to torch's module (:mod:`dpcourse.grading.graded_imports` does the resolving),
-and torch's own process group is never initialised in those processes. Every message and collective goes through a socket to the
-grader, which delivers it, reduces it and counts its bytes. So:
+In a graded rank, ``import torch.distributed as dist`` (and ``torch.distributed``
+reached through ``import torch``) resolves to a :class:`DistModule` built here
+(:func:`make_builtins`; objects sent by value are pointed at it by :func:`rebind`),
+and torch's own process group is never initialised. Every message and collective
+goes through a socket to the grader, which delivers it, reduces it and counts its
+bytes. So:
 
 - in the ring exercise only ``send``/``recv``/``isend``/``irecv``/``P2POp``/
   ``batch_isend_irecv`` exist: there is no collective to call, under any name;
@@ -15,6 +16,8 @@ grader, which delivers it, reduces it and counts its bytes. So:
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import types
 
 import torch
@@ -50,11 +53,7 @@ def _check_tensor(tensor, fn: str):
 
 
 def _check_memory(tensor, fn: str, role: str) -> None:
-    """Refuse a tensor whose memory was released (``untyped_storage().resize_(0)``).
-
-    Reading or writing it would touch memory the process no longer owns and crash
-    the rank; say instead which buffer it was.
-    """
+    """Refuse a tensor whose storage was freed: touching it would crash the rank."""
     if tensor.numel() == 0:
         return
     last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
@@ -247,3 +246,72 @@ class DistModule(types.ModuleType):
         _check_memory(output, "reduce_scatter_tensor", "output")
         return self._collective("reduce_scatter_tensor", input, async_op, output=output,
                                 reduce=name)
+
+class TorchView(types.ModuleType):
+    """``torch`` as graded code sees it: torch itself, except ``torch.distributed``."""
+
+    def __init__(self, dist_module: DistModule):
+        super().__init__("torch", torch.__doc__)
+        self.__dict__["distributed"] = dist_module
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def make_builtins(dist_module: DistModule) -> dict:
+    """Return builtins whose ``__import__`` gives graded code the grader's ``torch.distributed``."""
+    real_import = builtins.__import__
+    view = TorchView(dist_module)
+
+    def graded_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name == "torch":
+            return view
+        if level == 0 and name == "torch.distributed":
+            return dist_module if fromlist else view
+        if level == 0 and name.startswith("torch.distributed."):
+            raise ImportError(f"{name} is not available to graded code: use torch.distributed's "
+                              "public functions (import torch.distributed as dist).")
+        return real_import(name, globals, locals, fromlist, level)
+
+    table = dict(vars(builtins))
+    table["__import__"] = graded_import
+    return table
+
+
+def rebind(objs: dict, dist_module: DistModule, builtins_table: dict) -> dict:
+    """Point objects sent by value (cloudpickle) at the grader's ``torch.distributed``; return them.
+
+    Every function reachable from ``objs`` gets ``dist_module`` in place of torch's module
+    and ``builtins_table`` as its builtins, so imports inside it resolve the same way.
+    """
+    import torch.distributed as real_dist
+
+    view, seen, todo = TorchView(dist_module), set(), list(objs.values())
+    while todo:
+        item = todo.pop()
+        if id(item) in seen or item is None:
+            continue
+        seen.add(id(item))
+        if isinstance(item, type):
+            todo += list(vars(item).values()) + [b for b in item.__bases__
+                                                 if b.__module__ == item.__module__]
+        elif isinstance(item, (staticmethod, classmethod)):
+            todo.append(item.__func__)
+        elif isinstance(item, property):
+            todo += [item.fget, item.fset]
+        elif isinstance(item, types.FunctionType):
+            g = item.__globals__
+            g["__builtins__"] = builtins_table
+            for key, value in list(g.items()):
+                if value is real_dist:
+                    g[key] = dist_module
+                elif value is torch:
+                    g[key] = view
+                elif isinstance(value, (types.FunctionType, type)) and \
+                        getattr(value, "__module__", None) == item.__module__:
+                    todo.append(value)
+            for cell in item.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell has no contents
+                    if isinstance(cell.cell_contents, (types.FunctionType, type)):
+                        todo.append(cell.cell_contents)
+    return objs

@@ -1,30 +1,244 @@
 """Run graded code on ranks the grader starts, and carry every message between them.
 
-The grader process holds one end of a socket pair per rank; ranks have no
-other way to reach each other through torch.distributed (see
-:mod:`dpcourse.grading.shim`). Under ``dpcourse grade`` each rank runs in a
-sandbox of its own (:mod:`dpcourse.grading.sandbox`): no network, and a scratch
-folder no other rank sees; its end of the socket pair is an inherited file
-descriptor, which needs no network. This module starts and stops the ranks and reads
-their sockets; :mod:`dpcourse.grading.relay` delivers point-to-point messages,
-computes collectives, counts each rank's bytes and keeps the order of
-everything a rank did, so structure is judged from the grader's own record.
+The grader holds one end of a socket pair per rank; ranks have no other way to
+reach each other through torch.distributed (see :mod:`dpcourse.grading.shim`).
+Under ``dpcourse grade`` each rank runs in a sandbox of its own
+(:mod:`dpcourse.grading.sandbox`): no network, a scratch folder no other rank
+sees, and its socket an inherited file descriptor. :class:`World` starts and
+stops the ranks and reads their sockets; :class:`MessageRelay` delivers
+point-to-point messages, computes collectives, and records per rank, in order,
+what it did and how many bytes it sent: the checks judge structure from that record.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
-from dpcourse.grading import procs, wire
-from dpcourse.grading.relay import Failure, MessageRelay, Round, allowed_ops
+import torch
+
+from dpcourse.grading import wire
+from dpcourse.grading.sandbox import package_root
+from dpcourse.launch import reaper
+from dpcourse.launch.stacks import main_thread_frames
+
+
+@dataclass
+class Failure:
+    """Why a round did not finish: ``kind`` is ``"error"``, ``"timeout"`` or ``"died"``."""
+
+    kind: str
+    text: str
+    rank: int | None = None
+    exc_type: str = ""
+    traceback: str = ""
+
+
+@dataclass
+class Round:
+    """What one round produced: per-rank outputs and the grader's record of their messages."""
+
+    world_size: int
+    outputs: list = field(default_factory=list)
+    events: list = field(default_factory=list)   # per rank: list of dicts, in order
+    failure: Failure | None = None
+    seconds: float = 0.0
+
+
+_REDUCE = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum}
+
+
+def _reduce(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        out = _REDUCE[op](out, t)
+    return out
+
+
+def allowed_ops(dist_api) -> set[str]:
+    """The operations the relay carries for graded code that may use ``dist_api``.
+
+    Applied to the operation as it arrives, whatever name the rank called it by
+    (``type(dist).all_reduce`` is refused all the same).
+    """
+    api = set(dist_api)
+    ops = api & {"all_reduce", "broadcast", "barrier", "all_gather_into_tensor",
+                 "reduce_scatter_tensor"}
+    if api & {"send", "isend", "batch_isend_irecv"}:
+        ops.add("send")
+    if api & {"recv", "irecv", "batch_isend_irecv"}:
+        ops.add("recv")
+    return ops
+
+
+class MessageRelay:
+    """Deliver one round's messages and record, per rank, what it did, in order.
+
+    Args:
+        socks: the grader's end of each rank's socket.
+        out: the round being recorded.
+        stack: ``stack(rank)`` returns the rank's Python stack (for hang reports).
+        allowed: the operations graded code may issue (:func:`allowed_ops`); any other
+            fails the round, and nothing of it is computed or delivered.
+        why: what to say when a rank issues another one.
+    """
+
+    def __init__(self, socks: list, out: Round, stack, allowed=frozenset(), why: str = ""):
+        self.socks, self.stack, self.out, self.ws = socks, stack, out, out.world_size
+        self.allowed, self.why = set(allowed), why
+        self.mail = collections.defaultdict(collections.deque)   # (src, dst, tag) -> tensors
+        self.recvs = [[] for _ in range(self.ws)]                 # pending (src, tag, id)
+        self.coll_seq = [0] * self.ws
+        self.colls = collections.defaultdict(dict)               # seq -> rank -> (header, t)
+        self.done = [False] * self.ws
+        self.case = [""] * self.ws
+
+    def finished(self) -> bool:
+        return all(self.done)
+
+    def _log(self, rank: int, **event) -> None:
+        event["case"] = self.case[rank]
+        self.out.events[rank].append(event)
+
+    def _reply(self, rank: int, ident: int, tensor=None) -> None:
+        self.socks[rank].sendall(
+            wire.encode({"t": "done", "id": ident}, [tensor] if tensor is not None else []))
+
+    def handle(self, rank: int, header: dict, tensors: list) -> None:
+        kind = header.get("t")
+        if rank >= self.ws:
+            raise wire.ProtocolError("message from a rank outside the round")
+        op = str(header.get("op")) if kind == "coll" else kind
+        if kind in ("send", "recv", "coll") and op not in self.allowed:
+            self.out.failure = Failure(
+                "error", f"torch.distributed.{op} is not available to graded code in this "
+                f"exercise. {self.why}", rank, "AttributeError")
+            return
+        if kind == "send":
+            dst = int(header["dst"])
+            if not 0 <= dst < self.ws or dst == rank or len(tensors) != 1:
+                raise wire.ProtocolError("bad send")
+            t = tensors[0]
+            self._log(rank, op="send", peer=dst, nbytes=t.numel() * t.element_size())
+            self.mail[(rank, dst, int(header.get("tag", 0)))].append(t)
+            self._match(dst)
+        elif kind == "recv":
+            src = int(header["src"])
+            if not 0 <= src < self.ws or src == rank:
+                raise wire.ProtocolError("bad recv")
+            self._log(rank, op="recv", peer=src)
+            self.recvs[rank].append((src, int(header.get("tag", 0)), int(header["id"])))
+            self._match(rank)
+        elif kind == "coll":
+            self._collective(rank, header, tensors)
+        elif kind == "wait":
+            self._log(rank, op="wait", what=str(header.get("what", "")))
+        elif kind == "mark":
+            self._log(rank, op="mark", label=str(header.get("label", "")))
+        elif kind == "begin":
+            self.case[rank] = str(header.get("case", ""))
+            self._log(rank, op="begin", label=self.case[rank])
+        elif kind == "result":
+            self.out.outputs[rank] = wire.unpack(header.get("outputs"), tensors)
+            self.done[rank] = True
+        elif kind == "error":
+            self.out.failure = Failure(
+                "error", str(header.get("text", "")), rank, str(header.get("exc_type", "")),
+                str(header.get("traceback", "")))
+        else:
+            raise wire.ProtocolError(f"unknown message {kind!r}")
+
+    def _match(self, rank: int) -> None:
+        still = []
+        for src, tag, ident in self.recvs[rank]:
+            box = self.mail[(src, rank, tag)]
+            if box:
+                t = box.popleft()
+                self._log(rank, op="delivered", peer=src, nbytes=t.numel() * t.element_size())
+                self._reply(rank, ident, t)
+            else:
+                still.append((src, tag, ident))
+        self.recvs[rank] = still
+
+    def _collective(self, rank: int, header: dict, tensors: list) -> None:
+        seq = self.coll_seq[rank]
+        self.coll_seq[rank] += 1
+        op = str(header["op"])
+        t = tensors[0] if tensors else None
+        nbytes = t.numel() * t.element_size() if t is not None else 0
+        if op == "all_gather_into_tensor":
+            nbytes *= self.ws  # as CommTrace records it: the gathered (output) buffer
+        self._log(rank, op=op, nbytes=nbytes, seq=seq, async_op=bool(header.get("async")))
+        self.colls[seq][rank] = (header, t)
+        if len(self.colls[seq]) < self.ws:
+            return
+        entries = self.colls.pop(seq)
+        kinds = {(h["op"], h.get("reduce"), h.get("src"),
+                  None if x is None else (str(x.dtype), tuple(x.shape))) for h, x in entries.values()}
+        if len(kinds) > 1:
+            desc = "; ".join(f"rank {r}: {h['op']}" + (f" of {x.numel() * x.element_size()} "
+                                                       f"bytes" if x is not None else "")
+                             for r, (h, x) in sorted(entries.items()))
+            self.out.failure = Failure(
+                "error", f"the ranks disagree on collective number {seq + 1}: {desc}. Every rank "
+                "must issue the same collectives, in the same order, with tensors of the same "
+                "size (with torch this hangs or corrupts data).", rank, "CollectiveMismatch")
+            return
+        if op == "all_reduce":
+            result = _reduce(header.get("reduce", "sum"), [entries[r][1] for r in range(self.ws)])
+        elif op == "broadcast":
+            result = entries[int(header.get("src", 0))][1]
+        elif op == "all_gather_into_tensor":
+            result = torch.cat([entries[r][1].reshape(-1) for r in range(self.ws)])
+        elif op == "reduce_scatter_tensor":
+            total = _reduce("sum", [entries[r][1].reshape(-1) for r in range(self.ws)])
+            if total.numel() % self.ws:
+                raise wire.ProtocolError("reduce_scatter_tensor of a size not divisible by "
+                                         "the world size")
+            chunks = total.chunk(self.ws)
+            for r, (h, _) in entries.items():
+                self._reply(r, int(h["id"]), chunks[r].clone())
+            return
+        else:
+            result = None
+        for r, (h, _) in entries.items():
+            self._reply(r, int(h["id"]), result)
+
+    def timeout_failure(self, timeout: float) -> Failure:
+        lines = []
+        waiting = [r for r in range(self.ws) if not self.done[r]]
+        for r in waiting:
+            doing = f" in case '{self.case[r]}'" if self.case[r] else ""
+            if self.recvs[r]:
+                src = self.recvs[r][0][0]
+                what = (f"waiting in recv from rank {src}, which never sent the matching "
+                        "message")
+            elif any(r in e for e in self.colls.values()):
+                seq = min(s for s, e in self.colls.items() if r in e)
+                op = self.colls[seq][r][0]["op"]
+                missing = [x for x in range(self.ws) if x not in self.colls[seq]]
+                what = (f"waiting in {op} (its collective number {seq + 1}), which rank(s) "
+                        f"{', '.join(map(str, missing))} never issued")
+            else:
+                frames = [f for f in main_thread_frames(self.stack(r), ("dpcourse/",))
+                          if f[0].startswith("<") and "frozen" not in f[0]]
+                where = "; ".join(f"{f[0]} line {f[1]} in {f[2]}" for f in frames[:2])
+                what = ("running your code, not waiting for any message (a loop that does not "
+                        "end, or a sleep)" + (f": {where}" if where else ""))
+            lines.append(f"rank {r}{doing}: {what}")
+        return Failure("timeout", f"world size {self.ws}: not finished after {timeout:g} s.\n"
+                       + "\n".join(lines))
+
 
 _KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT", "CUDA_VISIBLE_DEVICES")
 # The machine's GPU settings (e.g. NVLink multicast switched off) hold for graded GPU ranks too.
@@ -33,8 +247,7 @@ _KEEP_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
 
 def _env(tmp: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k in _KEEP_ENV or k.startswith(_KEEP_PREFIXES)}
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env.update(PYTHONPATH=package_root, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
+    env.update(PYTHONPATH=package_root(), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1", TMPDIR=tmp, PYTHONUNBUFFERED="1")
     return env
 
@@ -58,11 +271,11 @@ class World:
                  shared_folder: bool = False, dist_api=(), dist_why: str = ""):
         self.allowed, self.why = allowed_ops(dist_api), dist_why
         self.tmp = tempfile.mkdtemp(prefix=f"dpcourse-{label}-")
-        self.procs, self.socks, self.readers, self.logs = [], [], [], []
+        self.procs, self.socks, self.readers = [], [], []
         self.sandboxed = sandbox is not None
-        self.shared = None
-        if shared_folder:  # the one folder every rank sees (the check asked for a shared disk)
-            self.shared = os.path.join(self.tmp, "shared")
+        # The one folder every rank sees, where the check asks for a shared disk.
+        self.shared = os.path.join(self.tmp, "shared") if shared_folder else None
+        if self.shared:
             os.makedirs(self.shared)
         for rank in range(size):
             mine, theirs = socket.socketpair()
@@ -86,7 +299,6 @@ class World:
             self.procs.append(proc)
             self.socks.append(mine)
             self.readers.append(wire.Reader())
-        self.loaded = [False] * size
 
     def _arrivals(self, ranks, deadline: float):
         """Yield each rank of ``ranks`` that has bytes to read, until ``deadline`` passes."""
@@ -176,32 +388,23 @@ class World:
         return out
 
     def _died(self, rank: int) -> Failure:
-        proc = self.procs[rank]
         try:
-            code = proc.wait(timeout=2)
+            code = self.procs[rank].wait(timeout=2)
         except subprocess.TimeoutExpired:
             code = None
-        what = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and
-                code < 0 else f"exited with status {code}" if code is not None
-                else "closed its connection")
-        tail = self.log_tail(rank)
+        what = ("closed its connection" if code is None else f"exited with status {code}"
+                if code >= 0 else f"was killed by signal {signal.Signals(-code).name}")
+        with open(os.path.join(self.tmp, f"rank{rank}.log"), "rb") as f:
+            tail = "\n".join(f.read()[-4000:].decode("utf-8", "replace").strip().splitlines()[-6:])
         return Failure("died", f"rank {rank} {what} during the check."
                        + (f"\nlast output of rank {rank}:\n{tail}" if tail else ""), rank)
-
-    def log_tail(self, rank: int, lines: int = 6) -> str:
-        try:
-            with open(os.path.join(self.tmp, f"rank{rank}.log"), "rb") as f:
-                text = f.read()[-4000:].decode("utf-8", "replace")
-        except OSError:
-            return ""
-        return "\n".join(text.strip().splitlines()[-lines:])
 
     def stack(self, rank: int) -> str:
         """Ask rank ``rank`` for its Python stack (faulthandler on SIGUSR1) and return the dump."""
         path = os.path.join(self.tmp, f"rank{rank}.log")
         pid = self.procs[rank].pid
         if self.sandboxed:  # the rank's pid in the grader's view, below bubblewrap's
-            pid = procs.find_below(pid, "dpcourse.grading.rank") or pid
+            pid = reaper.find_below(pid, "dpcourse.grading.rank") or pid
         try:
             size = os.path.getsize(path)
             os.kill(pid, signal.SIGUSR1)
@@ -219,18 +422,11 @@ class World:
     def close(self) -> None:
         """Stop every rank (and anything they started) and remove the temp dir."""
         for sock in self.socks:
-            try:
-                sock.close()
-            except OSError:
-                pass
-        procs.kill_tree([p.pid for p in self.procs])
+            sock.close()
+        reaper.kill_tree([p.pid for p in self.procs])
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        import shutil
-
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self):
@@ -238,5 +434,3 @@ class World:
 
     def __exit__(self, *exc):
         self.close()
-
-

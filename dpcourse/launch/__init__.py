@@ -5,6 +5,7 @@
 * :mod:`~dpcourse.launch.procs`: the processes of one launch (start, watch, collect, stop);
 * :mod:`~dpcourse.launch.worker`: the entry point of one rank;
 * :mod:`~dpcourse.launch.guard`: ends the ranks' process groups, also when the launcher was killed;
+* :mod:`~dpcourse.launch.reaper`: kills and reaps a process tree (the grader's kernels, ranks);
 * :mod:`~dpcourse.launch.relay`: what the ranks print, relayed with a ``[rank r]`` prefix;
 * :mod:`~dpcourse.launch.errors`: the errors a learner sees (a rank raised, died or hung);
 * :mod:`~dpcourse.launch.stacks`: where a hung rank was, read from its stack dump;

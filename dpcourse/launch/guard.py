@@ -28,7 +28,7 @@ import time
 TERM_GRACE = 3.0
 
 
-def _signal_group(pgid: int, sig: int) -> bool:
+def signal_group(pgid: int, sig: int) -> bool:
     """Send ``sig`` to process group ``pgid``; False once the group is empty."""
     try:
         os.killpg(pgid, sig)
@@ -48,13 +48,13 @@ def stop_groups(pgids, grace: float = TERM_GRACE) -> None:
             and collects them (a zombie still counts as a member of its group).
         grace: seconds the members get after SIGTERM before SIGKILL.
     """
-    live = [pgid for pgid in pgids if _signal_group(pgid, signal.SIGTERM)]
+    live = [pgid for pgid in pgids if signal_group(pgid, signal.SIGTERM)]
     deadline = time.monotonic() + grace
     while live and time.monotonic() < deadline:
         time.sleep(0.02)
-        live = [pgid for pgid in live if _signal_group(pgid, 0)]
+        live = [pgid for pgid in live if signal_group(pgid, 0)]
     for pgid in live:
-        _signal_group(pgid, signal.SIGKILL)
+        signal_group(pgid, signal.SIGKILL)
 
 
 def main(workdir: str) -> int:
