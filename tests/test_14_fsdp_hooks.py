@@ -97,7 +97,7 @@ def test_never_freeing_trains_right_but_fails_both_frees():
 def _reference_collectives(seed):
     from dpcourse.comm import CommTrace
     from dpcourse.fsdp import FullyShardedDataParallel
-    from dpcourse.grading.checks import fsdp_watch as ex
+    from dpcourse.grading.checks import ex14_fsdp_hooks as ex
 
     model = ex.make_model(seed)
     fsdp = FullyShardedDataParallel(model, units=[getattr(model, u) for u in ex.UNITS],
@@ -115,7 +115,7 @@ def _reference_collectives(seed):
 @pytest.mark.parametrize("world_size", [2])
 def test_expected_collectives_are_what_lesson_14s_fsdp_issues(world_size):
     from dpcourse.grading import oracles
-    from dpcourse.grading.checks import fsdp_watch as ex
+    from dpcourse.grading.checks import ex14_fsdp_hooks as ex
     from dpcourse.grading.checks.fsdp_verdicts import compare_collectives
 
     got = dpcourse.run(_reference_collectives, 0, world_size=world_size, backend="gloo")[0]

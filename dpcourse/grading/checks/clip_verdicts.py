@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dpcourse.grading import oracles
 from dpcourse.grading.checks.base import CaseVerdict, events_of
 from dpcourse.grading.checks.ex16_torch_tools import ATOL, RTOL
 from dpcourse.grading.criteria import mismatch
@@ -34,7 +35,7 @@ def judge(ws, inputs, outputs, events):
         for r in range(ws):
             got = outputs[r][k]
             recs.append(_norm(got["norm"], want_norm, inputs[r]["cases"][k]["shards"], r, crit, label))
-            expect = [_chunk(w, ws, r) for w in want]
+            expect = [oracles.flat_shard([w], ws, r) for w in want]
             diffs = [mismatch(g, e, RTOL, ATOL) for g, e in zip(got["shards"], expect)]
             bad = next((d for d in diffs if d), "")
             shard_crit = "clips_shards" if crit == "total_norm" else crit
@@ -44,12 +45,6 @@ def judge(ws, inputs, outputs, events):
             recs.append(CaseVerdict("one_scalar", one, f"rank {r} issued " + ", ".join(
                 f"{e['op']} of {e['nbytes']} bytes" for e in sent) if sent else "nothing", label))
     return recs
-
-
-def _chunk(whole, ws, r):
-    """Rank ``r``'s zero-padded chunk of ``whole``, as the check cut it."""
-    c = -(-whole.numel() // ws)
-    return torch.cat([whole, whole.new_zeros(ws * c - whole.numel())])[r * c:(r + 1) * c]
 
 
 def _norm(got, want, mine, rank, crit, label) -> CaseVerdict:

@@ -22,46 +22,46 @@ HD = "halving_doubling"
 def halving_doubling_time(nbytes: float, world_size: int, alpha: float, beta: float) -> float:
     """Return the alpha-beta time of exercise 04's halving-doubling all-reduce.
 
-    Args:
-        nbytes: size of the tensor in bytes.
-        world_size: number of ranks ``N``; ``p`` is the largest power of two ``<= N``.
-        alpha: seconds of fixed cost per message.
-        beta: seconds per byte.
-
-    Returns:
-        ``2 log2(p) alpha + 2 (p - 1) / p nbytes beta``, plus ``2 (alpha + nbytes beta)`` when
-        ``N > p`` (the whole tensor into the rounds and the sum back out).
+    ``2 log2(p) alpha + 2 (p - 1) / p nbytes beta`` among the largest power of two
+    ``p <= N`` ranks, plus ``2 (alpha + nbytes beta)`` when ``N > p`` (the whole tensor
+    into the rounds and the sum back out).
     """
-    p = 1 << (int(world_size).bit_length() - 1)
-    rounds = p.bit_length() - 1
-    time = 2 * rounds * alpha + 2 * (p - 1) / p * nbytes * beta
-    return time + (2 * (alpha + nbytes * beta) if world_size > p else 0.0)
+    return sum(_hd_parts(nbytes, world_size, alpha, beta))
+
+
+def _hd_parts(nbytes: float, n: int, alpha: float, beta: float) -> tuple[float, float]:
+    """The rounds among ``p`` ranks, and the hand-over of the ranks that sit out."""
+    p = 1 << (int(n).bit_length() - 1)
+    rounds = 2 * (p.bit_length() - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+    return rounds, (2 * (alpha + nbytes * beta) if n > p else 0.0)
 
 
 def _slips(nbytes: float, n: int, alpha: float, beta: float) -> dict:
-    """Times that common slips give for ``n`` ranks, by the name of their hint."""
-    p = 1 << (n.bit_length() - 1)
-    rounds = 2 * (p.bit_length() - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
-    handoff = 2 * (alpha + nbytes * beta) if n > p else 0.0
+    """Times that common slips give for ``n`` ranks, by slip (keys of :data:`_SLIPS`)."""
+    rounds, handoff = _hd_parts(nbytes, n, alpha, beta)
     slips = {"one_phase": rounds / 2 + handoff,
              "ring": 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta}
-    if n > p:
+    if handoff:
         slips["real_log"] = 2 * math.log2(n) * alpha + 2 * (n - 1) / n * nbytes * beta
         slips["no_handoff"] = rounds
     return slips
 
 
-_SLIP_HINTS = {
-    "one_phase": ("Your time is half of it: the halving rounds leave each rank with one finished "
+_SLIPS = {  # slip: (what the detail calls it, the hint)
+    "one_phase": ("the time of the halving rounds alone",
+                  "Your time is half of it: the halving rounds leave each rank with one finished "
                   "part, and the doubling rounds, as many and as large in reverse, bring the "
                   "others back."),
-    "real_log": ("Your time uses log2 N rounds for an N that is not a power of two: rounds come "
+    "real_log": ("the time with log2 N rounds among all N ranks",
+                 "Your time uses log2 N rounds for an N that is not a power of two: rounds come "
                  "in whole numbers, and only p ranks (the largest power of two <= N) run them; "
                  "the others hand over their whole tensor before and get the sum back after."),
-    "no_handoff": ("Your time leaves out the ranks that sit out: their whole tensor goes to a "
+    "no_handoff": ("the time without the ranks that sit out",
+                   "Your time leaves out the ranks that sit out: their whole tensor goes to a "
                    "partner before the rounds and the sum comes back after them, two messages "
                    "of the full size on the chain every rank waits for."),
-    "ring": ("Your time is the ring's, with its steps and its bytes: count the halving-doubling's "
+    "ring": ("the ring's time",
+             "Your time is the ring's, with its steps and its bytes: count the halving-doubling's "
              "own rounds instead, and the bytes in each."),
 }
 
@@ -120,7 +120,7 @@ class RingCost(Exercise):
         cases += [("single_rank_is_free", size(), 1, 5e-6, 1e-9)]
         cases += [("matches_alpha_beta", size(), n, rng.uniform(1e-6, 1e-5),
                    1 / rng.uniform(1e9, 1e11)) for n in (2, 16, 1024, rng.randrange(3, 9))]
-        per_rank = [(size(), n) for n in (2, 4, 8, rng.randrange(3, 100), 1)]
+        per_rank = [("bytes_per_rank", size(), n) for n in (2, 4, 8, rng.randrange(3, 100), 1)]
         powers = (1, 2, 4, 8, 1024, 2 ** rng.randrange(4, 10))
         others = (3, 5, 6, 1000, rng.choice([n for n in range(9, 1000) if n & (n - 1)]))
         hd = [("halving_doubling_power_of_two", size(), n, rng.uniform(1e-6, 1e-5),
@@ -131,59 +131,36 @@ class RingCost(Exercise):
 
     @staticmethod
     def rank_run(link, learner, inputs):
-        out = {"time": [], "bytes": []}
-        fn = learner["main"]
-        for crit, nbytes, n, alpha, beta in inputs["time"]:
-            begin(link, crit)
-            out["time"].append(_number(fn(nbytes, n, alpha, beta)))
-        fn = learner.get("bytes_per_rank")
-        for nbytes, n in inputs["bytes"] if fn is not None else []:
-            begin(link, "bytes_per_rank")
-            out["bytes"].append(_number(fn(nbytes, n)))
-        fn, out["hd"] = learner.get(HD), []
-        for crit, nbytes, n, alpha, beta in inputs["hd"] if fn is not None else []:
-            begin(link, crit)
-            out["hd"].append(_number(fn(nbytes, n, alpha, beta)))
+        out = {}
+        for key, role in (("time", "main"), ("bytes", "bytes_per_rank"), ("hd", HD)):
+            fn, out[key] = learner.get(role), []
+            for crit, *args in inputs[key] if fn is not None else []:
+                begin(link, crit)
+                out[key].append(_number(fn(*args)))
         return out
 
     def judge(self, ws, inputs, outputs, events):
         from dpcourse.grading import oracles
 
         recs = []
-        for (crit, nbytes, n, alpha, beta), got in zip(inputs[0]["time"], outputs[0]["time"]):
-            want = oracles.ring_time(nbytes, n, alpha, beta)
-            case = f"nbytes={nbytes:g}, N={n}, alpha={alpha:.3g}, beta={beta:.3g}"
-            recs.append(CaseVerdict(crit, _close(got, want), f"got {got}, expected {want:.6g} s",
-                               case))
-        for (nbytes, n), got in zip(inputs[0]["bytes"], outputs[0]["bytes"]):
-            want = oracles.ring_bytes_per_rank(nbytes, n)
-            recs.append(CaseVerdict("bytes_per_rank", _close(got, want),
-                               f"got {got}, expected {want:g}", f"nbytes={nbytes:g}, N={n}"))
-        for (crit, nbytes, n, alpha, beta), got in zip(inputs[0]["hd"], outputs[0]["hd"]):
-            want = halving_doubling_time(nbytes, n, alpha, beta)
-            detail = f"got {got}, expected {want:.6g} s"
-            slip = next((k for k, t in _slips(nbytes, n, alpha, beta).items()
-                         if not _close(t, want) and _close(got, t)), None)
-            if slip:
-                detail += f" ({_SLIP_NAMES[slip]})"
-            recs.append(CaseVerdict(crit, _close(got, want), detail,
-                               f"nbytes={nbytes:g}, N={n}, alpha={alpha:.3g}, beta={beta:.3g}"))
+        for key, want_of in (("time", oracles.ring_time), ("bytes", oracles.expected_ring_bytes),
+                             ("hd", halving_doubling_time)):
+            for (crit, *args), got in zip(inputs[0][key], outputs[0][key]):
+                want = want_of(*args)
+                detail = f"got {got}, expected {want:.6g}"
+                slip = next((k for k, t in _slips(*args).items() if not _close(t, want)
+                             and _close(got, t)), None) if key == "hd" else None
+                case = ", ".join(f"{k}={v:{f}}" for k, f, v in zip(
+                    ("nbytes", "N", "alpha", "beta"), ("g", "d", ".3g", ".3g"), args))
+                recs.append(CaseVerdict(crit, _close(got, want), detail + (
+                    f" ({_SLIPS[slip][0]})" if slip else ""), case))
         follow_causes(self, recs, _cause)
         return recs
 
 
-_SLIP_NAMES = {"one_phase": "the time of the halving rounds alone",
-               "ring": "the ring's time",
-               "real_log": "the time with log2 N rounds among all N ranks",
-               "no_handoff": "the time without the ranks that sit out"}
-
-
 def _cause(rec: CaseVerdict) -> str:
     """The hint for the slip a failing record's detail names, if any."""
-    for slip, name in _SLIP_NAMES.items():
-        if f"({name})" in rec.detail:
-            return _SLIP_HINTS[slip]
-    return ""
+    return next((hint for name, hint in _SLIPS.values() if f"({name})" in rec.detail), "")
 
 
 def _number(x):

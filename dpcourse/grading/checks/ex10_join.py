@@ -1,33 +1,118 @@
 """Exercise 10: make a bucketed wrapper Join-aware (a shadow all-reduce per bucket).
 
-The learner's ``JoinableDDP(module, bucket_cap_mb=...)`` implements torch's
-``Joinable`` interface. The rank trains it under ``Join([model],
-divide_by_initial_world_size=...)`` on batch counts that differ between ranks
-(by 0 to 3), on a model with a frozen layer, and returns each step's averaged
-gradients and the parameters every rank holds after ``Join`` exits. ``Join``
-is torch's own class; in the rank its two collectives (the "not joined yet"
-all-reduce and the "who is left?" all-reduce) travel through the grader like
-the learner's, and the handle ``notify_join_context`` returns behaves as
-torch's (``wait``, ``result``, ``get_future``).
-
-The grader computes what torch DDP under ``Join`` leaves
-(:func:`~dpcourse.grading.checks.join_verdicts.join_reference`; the tests hold
-it against ``DistributedDataParallel`` + ``Join`` on gloo) and compares: the
-gradients of every step on the ranks that still had data, and the final
-parameters on every rank. What runs in the ranks is
-:mod:`~dpcourse.grading.checks.join_rank`; the verdicts are
-:mod:`~dpcourse.grading.checks.join_verdicts`, which ranks cannot import.
+The rank trains the learner's ``JoinableDDP`` under torch's own ``Join`` on batch
+counts that differ between ranks, on a model with a frozen layer, and returns each
+step's gradients and the parameters every rank holds after ``Join`` exits. Join's
+own all-reduces travel through the grader like the learner's; each ``main_hook``
+and ``post_hook`` call is marked so that the grader can compare what a joined rank
+issues with the others' steps. The verdicts, and the reference torch DDP + ``Join``
+is held to in the tests, are :mod:`~dpcourse.grading.checks.join_verdicts`.
 """
 
 from __future__ import annotations
 
-import torch
+from collections import OrderedDict
 
-from dpcourse.grading.checks import join_rank
-from dpcourse.grading.checks.base import Exercise
-from dpcourse.grading.checks.join_rank import BATCH, CASES, IN, OUT
+import torch
+from torch import nn
+
+from dpcourse.grading.checks.base import Exercise, begin
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
-from dpcourse.grading.shim import COLLECTIVES
+from dpcourse.grading.shim import COLLECTIVES, DistModule
+
+IN, HIDDEN, MID, OUT = 8, 16, 12, 4
+BATCH, LR = 4, 0.05
+BUCKET_CAP_MB = 200 / 2**20  # two buckets of the trainable parameters: [fc3], [fc1]
+# (name, batches per rank, divide_by_initial_world_size), per world size.
+CASES = {
+    2: (("equal counts", (3, 3), True),
+        ("rank 1 has 3 more", (1, 4), True),
+        ("rank 0 has 2 more, divide by ranks with data", (3, 1), False)),
+    3: (("rank 0 joins first, 3 behind", (1, 4, 2), True),
+        ("rank 1 joins first, divide by ranks with data", (3, 2, 3), False)),
+}
+
+
+def make_model(seed: int) -> nn.Sequential:
+    """Three linear layers built from ``seed``; the middle one is frozen."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(IN, HIDDEN), relu1=nn.ReLU(),
+                                      fc2=nn.Linear(HIDDEN, MID), relu2=nn.ReLU(),
+                                      fc3=nn.Linear(MID, OUT)))
+    model.fc2.requires_grad_(False)
+    return model
+
+
+class _JoinDist(DistModule):
+    """``torch.distributed`` as ``Join`` sees it in a graded rank: handles have ``result()``."""
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        work = super().all_reduce(tensor, *args, **kwargs)
+        if work is not None:
+            work.result = lambda: (work.wait(), [tensor])[1]
+        return work
+
+
+def _clone(ts) -> list:
+    return [None if t is None else t.detach().clone() for t in ts]
+
+
+def rank_run(link, learner, inputs) -> list:
+    """Train the learner's wrapper under ``Join`` on each case; return what each case left."""
+    import torch.distributed.algorithms.join as join_module
+
+    real, join_module.dist = join_module.dist, _JoinDist(link, COLLECTIVES, "")
+    try:
+        return [_run_case(link, learner["main"], inputs["seed"], case)
+                for case in inputs["cases"]]
+    finally:
+        join_module.dist = real
+
+
+def _marked(link, hook, out):
+    """``hook`` with every ``main_hook`` and ``post_hook`` call marked on the grader's record."""
+    main, post = getattr(hook, "main_hook", None), getattr(hook, "post_hook", None)
+    out["hook_ok"] = callable(main) and callable(post)
+    if out["hook_ok"]:
+        def marked_main():
+            link.mark("main_hook")
+            main()
+            link.mark("main_hook_end")
+
+        def marked_post(is_last_joiner):
+            link.mark("post_hook")
+            post(is_last_joiner)
+        object.__setattr__(hook, "main_hook", marked_main)
+        object.__setattr__(hook, "post_hook", marked_post)
+    return hook
+
+
+def _run_case(link, cls, seed, case) -> dict:
+    from torch.distributed.algorithms.join import Join
+
+    model = make_model(seed)
+    begin(link, f"{case['case']}: construction")
+    wrapped = cls(model, bucket_cap_mb=BUCKET_CAP_MB)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=LR)
+    out = {"grads": [], "hook_ok": None}
+    original = wrapped.join_hook
+    object.__setattr__(wrapped, "join_hook", lambda **kw: _marked(link, original(**kw), out))
+    begin(link, f"{case['case']}: training")
+    with Join([wrapped], divide_by_initial_world_size=case["divide"]):
+        out["device"] = str(wrapped.join_device)
+        out["group_ok"] = wrapped.join_process_group is None  # dist.group.WORLD in a rank
+        for x, y in case["batches"]:
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(wrapped(x), y).backward()
+            link.mark("finish")
+            wrapped.finish_gradient_synchronization()
+            link.mark("finish_end")
+            out["grads"].append(_clone(p.grad for p in trainable))
+            optimizer.step()
+        out["last_own"] = _clone(model.parameters())
+    out["params"] = _clone(model.parameters())
+    return out
 
 
 class JoinShadow(Exercise):
@@ -101,7 +186,7 @@ class JoinShadow(Exercise):
                                              "batches": batches})
         return per_rank
 
-    rank_run = staticmethod(join_rank.rank_run)
+    rank_run = staticmethod(rank_run)
     verdicts = "dpcourse.grading.checks.join_verdicts"
 
     def explain(self, text):

@@ -1,29 +1,23 @@
 """Exercise 12: the learner's one-shot and two-shot Triton kernels on NVLink.
 
-The learner's kernels (``@kernel`` from :mod:`dpcourse.comm.kernels.exercise`)
-are source text. The graded rank hands them to GPU ranks it launches
-(:func:`dpcourse.run` over NCCL, world size 2, and 4 where the grader sees 4
-GPUs), where they are compiled and launched by the package's host code on
-inputs each rank makes from seeds the grader drew. The GPU ranks return what
-the kernels left at positions the grader picked (every element of the short
-tensors, a random sample and both ends of the long ones), after single calls
-and after sampled calls of a run of 1,000 back to back with inputs that change
-every call. The grader makes the same inputs itself and judges in its own
-process: the sum (exact for small integers, to a tolerance for normal values,
-float32 and bfloat16), the same bits on every rank, and every call right. A
-launch that does not finish (a block waiting for a flag no peer raises) is
-reported. Without 2 CUDA GPUs in the grader's view, the check is not graded on
-this machine and nothing is started.
+The graded rank hands the kernels' source to GPU ranks it launches (over NCCL, 2
+ranks, and 4 where the grader sees 4 GPUs), which build their inputs from seeds the
+grader drew and return what the kernels left at positions the grader picked (whole
+short tensors, a sample and both ends of long ones), after single calls and after
+sampled calls of 1,000 back to back. The grader makes the same inputs and judges:
+the sum (exact for small integers, to a tolerance for normal values), the same bits
+on every rank, every call right, every launch finished. Without 2 CUDA GPUs in the
+grader's view the check is not graded and nothing is started.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import replace
 
 import torch
 
 from dpcourse.grading.checks.base import CaseVerdict, Exercise
-from dpcourse.grading.criteria import Criterion as GradingCriterion, no_deadlock, no_delegation
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 
 FULL_LENGTHS = (4096, 8192, 65536)  # whole tiles (4096 float32 or 8192 bfloat16 elements)
 AWKWARD_LENGTHS = (1, 3, 17, 1000, 4095, 4097, 8191, 8193, 300_001,
@@ -37,15 +31,7 @@ SAMPLE, CALLS, SAMPLED_CALLS = 4096, 1000, 24
 FULL_BELOW = 70_000  # tensors up to this length come back whole
 
 
-class Criterion(NamedTuple):
-    """One thing the check verifies of each kernel: a short name, what must hold, the mistake."""
-
-    name: str
-    description: str
-    hint: str
-
-
-CRITERIA = (
+CRITERIA = (  # of each kernel; the check names them one_shot_... and two_shot_...
     Criterion("matches_all_reduce", "sums like dist.all_reduce (float32 and bfloat16, lengths "
               "that fill whole blocks)",
               "Load BLOCK elements per step with a mask (offs < numel), add every rank's copy "
@@ -141,8 +127,8 @@ class NvlinkKernels(Exercise):
     allowed_imports = {"dpcourse.comm.kernels.exercise": {"block_barrier", "kernel",
                                                           "peer_delta", "tl"}}
     criteria = tuple(
-        GradingCriterion(f"{kind}_{c.name}", f"{kind.replace('_', '-')}: {c.description}",
-                         c.hint, requires=None if kind == "one_shot" else "two_shot")
+        replace(c, name=f"{kind}_{c.name}", description=f"{kind.replace('_', '-')}: "
+                f"{c.description}", requires=None if kind == "one_shot" else "two_shot")
         for kind in KINDS for c in CRITERIA) + (
         no_delegation("one_shot_matches_all_reduce"), no_deadlock("one_shot_matches_all_reduce"))
     notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "

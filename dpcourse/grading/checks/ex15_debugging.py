@@ -1,27 +1,18 @@
 """Exercise 15: name the cause of six broken jobs from their logs, and fix three of them.
 
 The learner's ``diagnosis()`` returns ``{job: cause}`` for the jobs A-F of the
-notebook, each cause one of :data:`CAUSES`; the grader compares it with its own
-table. Three fixes run on the grader's ranks (world sizes 2 and 3) on fresh
-random cases:
-
-- ``global_histogram(labels, num_classes, group=None)``: every rank's class
-  counts summed, on every rank (job A all-reduced counts whose length came from
-  the data);
-- ``pass_to_the_right(tensor, group=None)``: each rank's tensor passed one rank to
-  the right around the ring, so every rank returns its left neighbour's (job B
-  posted every receive before any send);
-- ``should_stop(flag, group=None)``: ``True`` on every rank once any rank's flag is
-  set (job C all-reduced only on the ranks whose flag was set).
-
-The expected values are computed here, in the grader, from the inputs it made.
+notebook (one of :data:`CAUSES` each). Three fixes run on the grader's ranks (world
+sizes 2 and 3) on fresh random cases, each judged on its result and on what crossed
+the wire: ``global_histogram`` (one all-reduce of ``num_classes`` counts),
+``pass_to_the_right`` (one send to the right neighbour) and ``should_stop`` (one
+all-reduce of one number, on every rank whatever its flag).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin
+from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of, follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
@@ -43,18 +34,19 @@ class DebuggingFixes(Exercise):
     timeout = 20.0
     criteria = (
         Criterion("histogram_sums", "global_histogram returns every rank's counts summed, on "
-                  "every rank, when the ranks' largest labels differ",
+                  "every rank, when the ranks' largest labels differ, with one all-reduce of "
+                  "num_classes counts",
                   "The counts' length must be one every rank knows before it sees its data "
                   "(num_classes), or the ranks all-reduce tensors of different lengths, as job "
                   "A's log says.", requires="histogram", weight=2),
         Criterion("exchange_completes", "pass_to_the_right returns the left neighbour's tensor on "
-                  "every rank (2 and 3 ranks)",
+                  "every rank (2 and 3 ranks), each rank sending its tensor once, to rank + 1",
                   "Each rank must send its tensor to rank + 1 and receive from rank - 1 (modulo the "
                   "world size); post both at once (batch_isend_irecv) or order them by rank, so "
                   "that no rank waits to receive from a rank that is itself waiting.",
                   requires="exchange", weight=2),
         Criterion("stop_agrees", "should_stop returns True on every rank if any rank's flag is "
-                  "set, else False on every rank",
+                  "set, else False on every rank, with one all-reduce of one number",
                   "Every rank must issue the same collective whatever its own flag says: reduce "
                   "the flags with MAX (or SUM) on every rank, then decide.",
                   requires="stop", weight=2),
@@ -92,33 +84,42 @@ class DebuggingFixes(Exercise):
                 "causes": dict(causes) if isinstance(causes, dict) else repr(causes)}
 
     def judge(self, ws, inputs, outputs, events):
-        recs = []
+        recs, where = [], f"{ws} ranks"
         want = sum(torch.bincount(i["labels"], minlength=i["num_classes"]) for i in inputs)
+        counts = {n * inputs[0]["num_classes"] for n in (4, 8)}  # float32 or int64 counts
         for r, out in enumerate(outputs):
-            got, left = out["hist"], inputs[(r - 1) % ws]["tensor"]
+            got, left, nxt = out["hist"], inputs[(r - 1) % ws]["tensor"], (r + 1) % ws
             ok = isinstance(got, torch.Tensor) and got.shape == want.shape and \
                 torch.equal(got.double(), want.double())
-            recs.append(CaseVerdict("histogram_sums", ok, f"rank {r} returned {got}, the summed "
-                                    f"counts are {want.tolist()}", f"{ws} ranks"))
+            recs.append(_sent(CaseVerdict("histogram_sums", ok, f"rank {r} returned {got}, the "
+                                          f"summed counts are {want.tolist()}", where),
+                              r, events[r], "global_histogram",
+                              lambda m: m[0][0] == "all_reduce" and m[0][2] in counts))
             got = out["passed"]
             ok = isinstance(got, torch.Tensor) and torch.equal(got, left)
-            recs.append(CaseVerdict("exchange_completes", ok, f"rank {r} returned {got}, its left "
-                                    f"neighbour (rank {(r - 1) % ws}) holds {left}", f"{ws} ranks"))
+            recs.append(_sent(CaseVerdict("exchange_completes", ok, f"rank {r} returned {got}, its "
+                                          f"left neighbour (rank {(r - 1) % ws}) holds {left}",
+                                          where), r, events[r], "pass_to_the_right",
+                              lambda m: m[0] == ("send", nxt, left.numel() * left.element_size())))
             for k, got in enumerate(out["stops"]):
                 flags = [i["flags"][k] for i in inputs]
                 ok = isinstance(got, (bool, int, float)) and bool(got) == any(flags)
-                recs.append(CaseVerdict("stop_agrees", ok, f"flags {flags}: rank {r} "
-                                        f"returned {got!r}, expected {any(flags)}", f"{ws} ranks"))
+                recs.append(_sent(CaseVerdict("stop_agrees", ok, f"flags {flags}: rank {r} "
+                                              f"returned {got!r}, expected {any(flags)}", where),
+                                  r, events[r], f"should_stop, flag case {k}",
+                                  lambda m: m[0][0] == "all_reduce" and 0 < m[0][2] <= 8))
         causes = outputs[0]["causes"]
         if not isinstance(causes, dict):
             recs.append(CaseVerdict("causes_named", False, f"diagnosis() returned {causes}, "
                                     "expected a dict {job: cause}"))
-            return recs
-        wrong = sorted(job for job, cause in ANSWERS.items() if causes.get(job) != cause)
-        unknown = sorted({str(v) for v in causes.values()} - set(CAUSES))
-        recs.append(CaseVerdict("causes_named", not wrong, f"job(s) {', '.join(wrong)}: the named "
-                                "cause does not fit the log" + (f"; {unknown} are not among the "
-                                                                 "causes" if unknown else "")))
+        else:
+            wrong = sorted(job for job, cause in ANSWERS.items() if causes.get(job) != cause)
+            unknown = sorted({str(v) for v in causes.values()} - set(CAUSES))
+            recs.append(CaseVerdict("causes_named", not wrong, f"job(s) {', '.join(wrong)}: the "
+                                    "named cause does not fit the log" + (
+                                        f"; {unknown} are not among the causes" if unknown else "")))
+        follow_causes(self, recs, lambda rec: _TRAFFIC_HINTS[rec.criterion]
+                      if "crossed the wire" in rec.detail else "")
         return recs
 
     def explain(self, text):
@@ -130,3 +131,33 @@ class DebuggingFixes(Exercise):
         if "recv" in text and ("waiting" in text or "timed out" in text):
             return "Every rank was waiting in a receive: nobody had sent yet."
         return ""
+
+
+_TRAFFIC_HINTS = {
+    "histogram_sums": "The counts were right, but more than one all-reduce of num_classes counts "
+                      "crossed the wire: every rank adds its counts into one tensor of a length "
+                      "all ranks know, and one all-reduce sums them everywhere; sending each "
+                      "rank's counts to all others moves N times the bytes.",
+    "exchange_completes": "The right tensor arrived, but not by one message to the right: each "
+                          "rank needs only its left neighbour's tensor, so each sends its own "
+                          "once, to rank + 1, and receives once; a collective hands every "
+                          "tensor to every rank.",
+    "stop_agrees": "The answer was right, but not from one all-reduce of one number: each rank "
+                   "puts its flag in a one-element tensor and all reduce it with MAX (or SUM) "
+                   "together; a broadcast per rank is N collectives for one bit each.",
+}
+
+
+def _sent(rec: CaseVerdict, rank: int, events: list, case: str, right) -> CaseVerdict:
+    """``rec``, failed where what the rank sent in ``case`` is not one message ``right`` accepts.
+
+    ``right`` gets the rank's messages as ``(op, peer, bytes)``, receives and barriers aside.
+    """
+    moved = [(e["op"], e.get("peer"), e["nbytes"]) for e in events_of(events, case)
+             if "nbytes" in e and e["op"] not in ("delivered", "barrier")]
+    if not rec.passed or (len(moved) == 1 and right(moved)):
+        return rec
+    sent = ", ".join(f"{op}{f' to rank {p}' if op == 'send' else ''} of {n} bytes"
+                     for op, p, n in moved) or "nothing"
+    return CaseVerdict(rec.criterion, False, f"rank {rank} returned the right value in {case}, "
+                       f"but what crossed the wire was {sent}", rec.case)

@@ -28,18 +28,6 @@ CASES = (("l2, clipped", "total_norm", 2.0, 4.0), ("l2, below max_norm", "no_cli
          ("inf, clipped", "inf_norm", math.inf, 3.0))
 
 
-def _full_and_chunks(gen, world: int, sizes):
-    """Whole gradients of the given sizes, and per rank its zero-padded chunk of each."""
-    full = [torch.randn(n, generator=gen) for n in sizes]
-    chunks = [[] for _ in range(world)]
-    for g in full:
-        c = -(-g.numel() // world)
-        padded = torch.cat([g, g.new_zeros(world * c - g.numel())])
-        for r in range(world):
-            chunks[r].append(padded[r * c:(r + 1) * c].clone())
-    return full, chunks
-
-
 class ClipSharded(Exercise):
     """``clip_sharded_(shards, max_norm, norm_type=2.0, group=None)``: torch's clipping, sharded."""
 
@@ -76,17 +64,18 @@ class ClipSharded(Exercise):
              f"atol={ATOL:g}; world sizes 2 and 3; fresh random gradients and sizes on each run",)
 
     def make_inputs(self, rng, world_size):
+        from dpcourse.grading.oracles import flat_shard
+
         gen = torch.Generator().manual_seed(rng.getrandbits(62))
         per_rank = [{"cases": []} for _ in range(world_size)]
         for label, crit, norm_type, ratio in CASES:
             sizes = [rng.randrange(1, 40) for _ in range(3)] + [1]  # one smaller than the world
-            full, chunks = _full_and_chunks(gen, world_size, sizes)
-            whole = torch.cat(full)
-            norm = whole.abs().max() if norm_type == math.inf else whole.norm()
-            for r in range(world_size):
-                per_rank[r]["cases"].append(dict(label=label, crit=crit, norm_type=norm_type,
-                                                 max_norm=float(norm) / ratio, sizes=sizes,
-                                                 shards=chunks[r]))
+            full = [torch.randn(n, generator=gen) for n in sizes]
+            norm = float(torch.linalg.vector_norm(torch.cat(full), norm_type))
+            for r in range(world_size):  # each gradient zero-padded to N chunks, as FSDP shards
+                per_rank[r]["cases"].append(dict(
+                    label=label, crit=crit, norm_type=norm_type, max_norm=norm / ratio,
+                    sizes=sizes, shards=[flat_shard([g], world_size, r).clone() for g in full]))
         return per_rank
 
     @staticmethod
@@ -96,6 +85,7 @@ class ClipSharded(Exercise):
             shards = [s.clone() for s in case["shards"]]
             begin(link, case["label"])
             got = learner["main"](shards, case["max_norm"], case["norm_type"])
-            out.append({"norm": torch.as_tensor(got).detach().clone() if isinstance(got, (torch.Tensor, float))
-                        else type(got).__name__, "shards": shards})
+            norm = torch.as_tensor(got).detach().clone() if isinstance(got, (torch.Tensor, float)) \
+                else type(got).__name__
+            out.append({"norm": norm, "shards": shards})
         return out

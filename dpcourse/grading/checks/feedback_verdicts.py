@@ -1,7 +1,7 @@
 """The grader's verdicts on exercise 11, with the references they compute.
 
 :func:`judge` compares what each rank's hook sent, returned and kept
-(:mod:`~dpcourse.grading.checks.feedback_reducer`) with torch's
+(:func:`~dpcourse.grading.checks.ex11_error_feedback.rank_run`) with torch's
 ``bf16_compress_hook`` (:func:`dpcourse.grading.oracles.compress_hook`), with
 the compression of gradient + previous residual, and with the uncompressed sum
 over all steps. Grader-only: graded ranks cannot import this module (see
@@ -14,7 +14,7 @@ import torch
 
 from dpcourse.grading import oracles
 from dpcourse.grading.checks.base import CaseVerdict, events_of
-from dpcourse.grading.checks.feedback_reducer import (DTYPE, PARAMS, SIZES, STEPS, TRACKING,
+from dpcourse.grading.checks.ex11_error_feedback import (DTYPE, PARAMS, SIZES, STEPS, TRACKING,
                                                       bucket_grads, layout, per_param)
 from dpcourse.grading.criteria import mismatch
 
@@ -45,10 +45,25 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
 
 
 def _bytes(events, s, where) -> CaseVerdict:
-    got = sorted(e["nbytes"] for e in events_of(events, f"step {s}") if e["op"] == "all_reduce")
-    want = sorted(2 * n for n in SIZES)
-    return CaseVerdict("sends_bf16", got == want, f"all-reduced {got} bytes, expected {want} "
-                  "(one bfloat16 all-reduce per bucket)", where)
+    """Every collective of step ``s`` (barriers aside): one bf16 all-reduce per bucket, no more."""
+    got = sorted((e["op"], e["nbytes"]) for e in events_of(events, f"step {s}")
+                 if "nbytes" in e and e["op"] != "barrier")
+    want = sorted(("all_reduce", 2 * n) for n in SIZES)
+    return CaseVerdict("sends_bf16", got == want, f"sent {_ops(got)}; expected {_ops(want)} "
+                       "(one bfloat16 all-reduce per bucket)", where)
+
+
+def _ops(ops) -> str:
+    return ", ".join(f"{op} of {n} bytes" for op, n in ops) or "nothing"
+
+
+def cause(spec, ws, rec) -> str:
+    """The hint for a collective besides the bucket's all-reduce; else the criterion's own."""
+    if rec.criterion == "sends_bf16" and "broadcast" in rec.detail.split(";")[0]:
+        return ("A broadcast crossed the wire besides the all-reduce: the all-reduce already "
+                "leaves the same sum on every rank, so nothing else needs to be sent to make "
+                "the ranks agree; every extra collective adds the bucket's bytes again.")
+    return ""
 
 
 def _step(ws, grads, steps, s, i, where) -> list[CaseVerdict]:

@@ -3,7 +3,7 @@
 :func:`single_process` trains the check's model in one process on the whole
 batch; :func:`judge` rebuilds every parameter from the ranks' shards and
 compares it, each shard's gradient and what the rank's hooks saw at every
-unit's forward and backward (:mod:`~dpcourse.grading.checks.fsdp_watch`) with
+unit's forward and backward (:class:`~dpcourse.grading.checks.ex14_fsdp_hooks.Watch`) with
 it, and the grader's record of every collective with the ones FSDP issues
 (:mod:`dpcourse.grading.oracles`). Grader-only: graded ranks cannot import this
 module (see :mod:`dpcourse.grading.rank`).
@@ -18,7 +18,7 @@ from torch import nn
 
 from dpcourse.grading import oracles
 from dpcourse.grading.checks.base import CaseVerdict, events_of
-from dpcourse.grading.checks.fsdp_watch import RUNS, STEPS, TOL, UNITS, layout, make_model
+from dpcourse.grading.checks.ex14_fsdp_hooks import RUNS, STEPS, TOL, UNITS, layout, make_model
 from dpcourse.grading.criteria import mismatch, tolerance
 
 
