@@ -56,9 +56,32 @@ def all_reduce_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def ring_bytes(numel: int, world_size: int, element_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``numel`` elements (``numel % N == 0``)."""
-    return 2 * (world_size - 1) * (numel // world_size) * element_size
+def ring_sent_bytes(numel: int, world_size: int, rank: int, element_size: int) -> int:
+    """Bytes rank ``rank`` sends in exercise 04's ring all-reduce of ``numel`` elements.
+
+    The ring turns left and rank r ends the reduce-scatter owning chunk r, so rank r
+    sends every chunk but its own in the reduce-scatter and every chunk but its left
+    neighbour's in the all-gather; an empty chunk is not sent.
+    """
+    def length(i: int) -> int:
+        lo, hi = chunk_bounds(numel, world_size, i % world_size)
+        return hi - lo
+
+    if world_size == 1:
+        return 0
+    return (2 * numel - length(rank) - length(rank - 1)) * element_size
+
+
+def halving_doubling_sent_bytes(nbytes: int, world_size: int) -> list[int]:
+    """Bytes each rank sends in exercise 04's halving-doubling all-reduce, smallest first.
+
+    With ``p`` the largest power of two <= N, N - p ranks hand their tensor to a partner
+    and get the sum back from it, and ``p`` ranks halve and double, each sending
+    2 (p - 1) / p of the tensor. Exact when ``p`` divides the tensor's elements.
+    """
+    p = 1 << (world_size.bit_length() - 1)
+    extra, share = world_size - p, 2 * (p - 1) * nbytes // p
+    return sorted([nbytes] * extra + [share + nbytes] * extra + [share] * (p - extra))
 
 
 # -- lesson 05: torch DDP's bucket rule ----------------------------------------------------------
@@ -119,7 +142,7 @@ def ring_time(nbytes: float, world_size: int, alpha: float, beta: float) -> floa
     return steps * alpha + (steps / world_size) * nbytes * beta
 
 
-def ring_bytes_per_rank(nbytes: float, world_size: int) -> float:
+def expected_ring_bytes(nbytes: float, world_size: int) -> float:
     """2 (N - 1) / N of the bytes leave each rank."""
     return 2 * (world_size - 1) * nbytes / world_size
 

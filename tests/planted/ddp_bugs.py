@@ -27,6 +27,22 @@ class NaiveNoDivide(_Wrapper):
             dist.all_reduce(p.grad)  # BUG: a sum, not the mean
 
 
+class NaiveFirstStepOnly(_Wrapper):
+    """Averages the first step's gradients, then believes the work is done for good."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.synced = False
+
+    def finish_gradient_synchronization(self):
+        if self.synced:  # BUG: set once, never cleared: later steps keep local gradients
+            return
+        for p in self.module.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        self.synced = True
+
+
 class NaiveNoBroadcast(_Wrapper):
     """Averages gradients correctly but never makes the replicas equal at the start."""
 

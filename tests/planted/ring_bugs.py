@@ -1,4 +1,5 @@
-"""Wrong ring all-reduces: a wrong chunk index, one that delegates, one that deadlocks."""
+"""Wrong all-reduces: a wrong chunk index, one that delegates, one that deadlocks, one that
+sends every rank's whole tensor to every other rank."""
 
 import torch
 import torch.distributed as dist
@@ -55,3 +56,16 @@ def ring_all_reduce_deadlock(tensor, group=None):
     dist.recv(buf, src=(rank - 1) % n)
     dist.send(flat, dst=(rank + 1) % n)
     flat += buf
+
+
+def all_reduce_to_everyone(tensor, group=None):
+    """One round, but every rank sends its whole tensor to every other rank: N - 1 copies."""
+    flat, rank, n = tensor.view(-1), dist.get_rank(), dist.get_world_size()
+    if flat.numel() == 0:
+        return
+    parts = [flat.clone() if r == rank else torch.empty_like(flat) for r in range(n)]
+    ops = [dist.P2POp(dist.isend, parts[rank], r) for r in range(n) if r != rank]
+    ops += [dist.P2POp(dist.irecv, parts[r], r) for r in range(n) if r != rank]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    flat.copy_(torch.stack(parts).sum(0))

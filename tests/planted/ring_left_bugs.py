@@ -17,6 +17,13 @@ def chunk_bounds_even_split(numel, world_size, index):
     return start, start + base + (1 if index < extra else 0)
 
 
+def chunk_bounds_tensor_split(numel, world_size, index):
+    """Hands the cut to torch.tensor_split, whose pieces are the even split, not the lesson's."""
+    pieces = torch.arange(numel).tensor_split(world_size)
+    start = sum(len(p) for p in pieces[:index])
+    return start, start + len(pieces[index])
+
+
 def chunk_bounds_unclipped(numel, world_size, index):
     """The lesson's chunk length, but the last chunks run past the tensor's end."""
     per_chunk = -(-numel // world_size)
@@ -99,3 +106,12 @@ def ring_all_reduce_shifted(tensor, group=None):
     """
     _ring(tensor, -1, lambda r, s, n: (r + s) % n, lambda r, s, n: (r + s + 1) % n,
           lambda r, s, n: (r + s) % n, lambda r, s, n: (r + s + 1) % n)
+
+
+def ring_all_reduce_padded(tensor, group=None):
+    """The leftward ring on a copy padded to N equal chunks: right sums, padding sent too."""
+    flat, n = tensor.view(-1), dist.get_world_size()
+    padded = torch.zeros(-(-flat.numel() // n) * n, dtype=flat.dtype)
+    padded[:flat.numel()] = flat
+    ring_all_reduce_leftward(padded)
+    flat.copy_(padded[:flat.numel()])

@@ -45,24 +45,17 @@ C_SINGLE = Criterion(
     "global batch", "With equal shards, one process on the whole batch takes exactly DDP's "
     "steps, so a drift from it means the ranks' gradients were not combined into their mean "
     "before the update.", weight=2)
+LATER_STEP = "the earlier steps' gradients were right"
 NONE_GRAD_HINT = (
     "p.grad is None inside your hook: a hook registered with register_hook runs before the "
     "gradient is accumulated into p.grad (it receives the gradient as its argument), so it "
     "fired too early to read p.grad; lesson 06 names the kind of hook that runs after.")
 
 
-class DDPExercise(Exercise):
-    """A check of a data-parallel wrapper or training loop: 2 ranks, messages and collectives."""
-
-    world_sizes = (2,)
-    dist_api = P2P + COLLECTIVES
-    timeout = 45.0
-
-
-def tolerance_note() -> str:
-    return (f"tolerances (rtol, atol), float32: vs DDP {tolerance('gloo', torch.float32, 'vs_ddp')}"
-            f", vs one process {tolerance('gloo', torch.float32, 'vs_single')}; fresh random "
-            "seeds and batches on each run")
+TOLERANCE_NOTE = (f"tolerances (rtol, atol), float32: vs DDP "
+                  f"{tolerance('gloo', torch.float32, 'vs_ddp')}, vs one process "
+                  f"{tolerance('gloo', torch.float32, 'vs_single')}; fresh random seeds and "
+                  "batches on each run")
 
 
 def make_model(seed: int) -> nn.Sequential:
@@ -190,13 +183,19 @@ def judge_training(ws, inputs, outputs, events, grads_crit=C_AVERAGED.name, run=
         out = outputs[r]["runs"][run]
         bad = first_mismatch(names, out["init"], ref["init"], (0, 0))
         recs.append(CaseVerdict(C_BROADCAST.name, not bad, f"rank {r}, {bad}" if bad else ""))
-        bad = first_mismatch(names, out["grads"][0], ref["ddp"]["grads"][0], tol_ddp, ".grad")
-        detail = f"rank {r}, step 0, {bad}" if bad else ""
-        finished = [e for e in step_events(events[r], run, 0) if e.get("label") == "finish"]
-        if bad and not finished:
-            detail += (" — model.finish_gradient_synchronization() was never called in the step: "
-                       "gradients left by the hooks were not waited for and averaged")
-        recs.append(CaseVerdict(grads_crit, not bad, detail))
+        earlier_ok = True
+        for step in range(STEPS):
+            bad = first_mismatch(names, out["grads"][step], ref["ddp"]["grads"][step], tol_ddp,
+                                 ".grad")
+            detail = f"rank {r}, step {step}, {bad}" if bad else ""
+            if bad and not any(e.get("label") == "finish"
+                               for e in step_events(events[r], run, step)):
+                detail += (" — model.finish_gradient_synchronization() was never called in the "
+                           "step: gradients left by the hooks were not waited for and averaged")
+            elif bad and step and earlier_ok:
+                detail += f" ({LATER_STEP})"
+            earlier_ok = earlier_ok and not bad
+            recs.append(CaseVerdict(grads_crit, not bad, detail))
         for step in range(STEPS):
             bad = first_mismatch(names, out["params"][step], ref["ddp"]["params"][step], tol_ddp)
             recs.append(CaseVerdict(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad}"
@@ -205,6 +204,15 @@ def judge_training(ws, inputs, outputs, events, grads_crit=C_AVERAGED.name, run=
         recs.append(CaseVerdict(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, {bad}"
                            if bad else ""))
     return recs
+
+
+def later_step_cause(rec: CaseVerdict) -> str:
+    """The hint for a gradient that only a later step got wrong (see ``follow_causes``)."""
+    if LATER_STEP not in rec.detail:
+        return ""
+    return ("The first step's gradients were averaged and a later step's were not: something "
+            "your wrapper set during the first step (a flag, a count, a hook removed) kept it "
+            "from all-reducing the next steps' gradients. Every step must average anew.")
 
 
 def explain(text: str) -> str:
@@ -216,6 +224,29 @@ def explain(text: str) -> str:
                 "reference), which does not exist while your code is graded: communicate with "
                 "dist.all_reduce / dist.broadcast yourself.")
     return ""
+
+
+class DDPExercise(Exercise):
+    """A check of a data-parallel wrapper or training loop: 2 ranks, messages and collectives.
+
+    Unless a check says otherwise, each rank trains the learner's wrapper (:func:`rank_train`)
+    once per entry of ``runs`` (the wrapper's keyword arguments), ``accumulation``
+    micro-batches per step.
+    """
+
+    world_sizes = (2,)
+    dist_api = P2P + COLLECTIVES
+    timeout = 45.0
+    runs: tuple[dict, ...] = ({},)
+    accumulation = 1
+    notes = (TOLERANCE_NOTE,)
+    rank_run = staticmethod(rank_train)
+
+    def make_inputs(self, rng, world_size):
+        return make_inputs(rng, world_size, self.accumulation, list(self.runs))
+
+    def explain(self, text):
+        return explain(text)
 
 
 # -- bucket checks (05, 06) -----------------------------------------------------------------

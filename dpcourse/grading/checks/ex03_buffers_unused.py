@@ -233,9 +233,6 @@ class BuffersUnused(d.DDPExercise):
                               f"rank {r}, after training"))
         return recs
 
-    def explain(self, text):
-        return d.explain(text)
-
 
 def _same(crit, names, got, want, tol, case) -> CaseVerdict:
     bad = [(n, m) for n, a, b in zip(names, got, want) if (m := mismatch(a.double(), b.double(),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict
+from dpcourse.grading.checks.base import CaseVerdict, follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 
 
@@ -18,15 +18,6 @@ class NaiveDDP(d.DDPExercise):
         "The number of all-reduces per step differs from the number of trainable parameters: "
         "some gradient was all-reduced twice, or not at all.", needs=(d.C_AVERAGED.name,)),
         no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name))
-    notes = (d.tolerance_note(),)
-
-    def make_inputs(self, rng, world_size):
-        return d.make_inputs(rng, world_size, 1, [{}])
-
-    @staticmethod
-    def rank_run(link, learner, inputs):
-        return d.rank_train(link, learner, inputs)
-
     def judge(self, ws, inputs, outputs, events):
         recs = d.judge_training(ws, inputs, outputs, events)
         sizes = sorted(d.param_bytes())
@@ -37,7 +28,5 @@ class NaiveDDP(d.DDPExercise):
                 recs.append(CaseVerdict("one_all_reduce_per_parameter", got == sizes,
                                    f"rank {r}, step {step}: all-reduces of {got} bytes, the "
                                    f"parameters have {sizes} bytes"))
+        follow_causes(self, recs, d.later_step_cause)
         return recs
-
-    def explain(self, text):
-        return d.explain(text)

@@ -24,6 +24,9 @@ from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tol
 from dpcourse.grading.shim import P2P
 
 MATCH = "matches_all_reduce"
+NOTES = (f"tolerances (rtol, atol): float32 {tolerance('gloo', torch.float32, 'collective')}, "
+         f"bfloat16 {tolerance('gloo', torch.bfloat16, 'collective')}; cases are fresh random "
+         "tensors on each run",)
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -37,14 +40,39 @@ def _shapes(ws: int, rng) -> list[tuple[str, tuple, str]]:
     return regular + awkward
 
 
-def _random(shape, dtype: str, gen) -> torch.Tensor:
-    if dtype == "bfloat16":  # small integers: sums are exact in low precision
-        return torch.randint(-8, 9, shape, generator=gen).to(torch.bfloat16)
-    return torch.randn(shape, generator=gen, dtype=torch.float64).to(_DTYPES[dtype])
+def case_inputs(shapes, rng, world_size: int) -> list[dict]:
+    """Per rank, ``{"cases": [{"crit", "case", "x"}]}`` with fresh random tensors of ``shapes``.
+
+    Args:
+        shapes: ``(criterion, shape, dtype name)`` triples.
+        rng: the grader's ``random.Random``.
+        world_size: ranks.
+    """
+    gens = [torch.Generator().manual_seed(rng.getrandbits(62)) for _ in range(world_size)]
+    per_rank = [{"cases": []} for _ in range(world_size)]
+    for crit, shape, dtype in shapes:
+        for r in range(world_size):
+            if dtype == "bfloat16":  # small integers: every partial sum is exact in bfloat16
+                x = torch.randint(-8, 9, shape, generator=gens[r]).to(torch.bfloat16)
+            else:
+                x = torch.randn(shape, generator=gens[r], dtype=torch.float64).to(_DTYPES[dtype])
+            per_rank[r]["cases"].append({"crit": crit, "case": f"shape {tuple(shape)}, {dtype}",
+                                         "x": x})
+    return per_rank
 
 
-def _case(shape, dtype) -> str:
-    return f"shape {tuple(shape)}, {dtype}"
+def run_cases(link, fn, cases: list) -> list[dict]:
+    """Call ``fn`` on a copy of each case's tensor; return it, whether it stayed the same
+    tensor (storage and shape), and what ``fn`` returned when that is a tensor."""
+    out = []
+    for c in cases:
+        x = c["x"].clone()
+        ptr, shape = x.data_ptr(), tuple(x.shape)
+        begin(link, c["case"])
+        ret = fn(x)
+        out.append({"x": x, "same": x.data_ptr() == ptr and tuple(x.shape) == shape,
+                    "ret": ret if isinstance(ret, torch.Tensor) else None})
+    return out
 
 
 class RingAllReduce(Exercise):
@@ -75,10 +103,12 @@ class RingAllReduce(Exercise):
                   "A rank exchanged messages with a rank that is not its neighbour on the "
                   "leftward ring (the wrap-around from rank 0 to the last rank included).",
                   weight=3, needs=(MATCH,)),
-        Criterion("bandwidth_optimal", "each rank sends exactly what the ring's steps carry, "
-                  "one chunk per message",
-                  "A rank sent more bytes than the ring needs: its messages carried more than "
-                  "one chunk, or the data went through one rank that collected everything.",
+        Criterion("bandwidth_optimal", "for every length, each rank sends exactly the bytes of "
+                  "the chunks the ring's steps carry: every chunk but its own in the "
+                  "reduce-scatter, every chunk but its left neighbour's in the all-gather",
+                  "A rank sent another number of bytes than the ring's chunks hold: a message "
+                  "carried more than one chunk, chunks were padded to one length, or the data "
+                  "went through one rank that collected everything.",
                   weight=2, needs=(MATCH, "ring_neighbours_only")),
         Criterion("chunk_bounds_correct", "chunk_bounds(numel, world_size, index) cuts like "
                   "lesson 04's ring (as dist.reduce_scatter_tensor cuts a padded tensor), also "
@@ -100,39 +130,33 @@ class RingAllReduce(Exercise):
         no_deadlock(MATCH),
     )
     verdicts = "dpcourse.grading.checks.ring_verdicts"
-    notes = (f"tolerances (rtol, atol): float32 {tolerance('gloo', torch.float32, 'collective')}, "
-             f"bfloat16 {tolerance('gloo', torch.bfloat16, 'collective')}; cases are fresh random "
-             "tensors on each run",)
+    notes = NOTES
 
     # -- grader: fresh cases ---------------------------------------------------------------
     def make_inputs(self, rng, world_size):
         from dpcourse.grading import oracles
 
-        shapes = _shapes(world_size, rng)
-        gens = [torch.Generator().manual_seed(rng.getrandbits(62)) for _ in range(world_size)]
-        per_rank = [{"cases": [], "rs": [], "ag": [], "bounds": []} for _ in range(world_size)]
-        for crit, shape, dtype in shapes:
-            for r in range(world_size):
-                per_rank[r]["cases"].append({"crit": crit, "case": _case(shape, dtype),
-                                             "x": _random(shape, dtype, gens[r])})
+        per_rank = case_inputs(_shapes(world_size, rng), rng, world_size)
+        gen = torch.Generator().manual_seed(rng.getrandbits(62))
         for numel in (world_size, 5 * world_size + 1, rng.randrange(20, 300)):
-            final = torch.randn(numel, generator=gens[0])
+            final = torch.randn(numel, generator=gen)
             for r in range(world_size):
-                per_rank[r]["rs"].append(torch.randn(numel, generator=gens[r]))
+                per_rank[r].setdefault("rs", []).append(torch.randn(numel, generator=gen))
                 lo, hi = oracles.chunk_bounds(numel, world_size, r)
                 x = torch.full((numel,), float("nan"))
                 x[lo:hi] = final[lo:hi]
-                per_rank[r]["ag"].append(x)
-        queries = [(n, w, i) for n in (0, 1, 2, 5, 12, rng.randrange(100, 5000))
+                per_rank[r].setdefault("ag", []).append(x)
+        # 5 and 9 elements on 4 ranks: tensor_split and torch.chunk cut them otherwise
+        queries = [(n, w, i) for n in (0, 1, 2, 5, 9, 12, rng.randrange(100, 5000))
                    for w in (1, 2, 3, 4, rng.randrange(5, 9)) for i in range(w)]
-        per_rank[0]["bounds"] = queries
+        for r in range(world_size):
+            per_rank[r]["bounds"] = queries if r == 0 else []
         return per_rank
 
     # -- rank: call the learner's code --------------------------------------------------------
     @staticmethod
     def rank_run(link, learner, inputs):
-        ring = learner["main"]
-        out = {"cases": [], "rs": [], "ag": [], "bounds": []}
+        out = {"rs": [], "ag": [], "bounds": []}
         bounds = learner.get("chunk_bounds")
         if bounds is not None:
             begin(link, "chunk_bounds")
@@ -142,13 +166,7 @@ class RingAllReduce(Exercise):
                     out["bounds"].append([int(v) for v in got])
                 except Exception as exc:  # noqa: BLE001 - reported as this query's failure
                     out["bounds"].append(f"raised {type(exc).__name__}: {exc}")
-        for c in inputs["cases"]:
-            x = c["x"].clone()
-            ptr, shape = x.data_ptr(), tuple(x.shape)
-            begin(link, c["case"])
-            ret = ring(x)
-            out["cases"].append({"x": x, "same": x.data_ptr() == ptr and tuple(x.shape) == shape,
-                                 "ret": ret if isinstance(ret, torch.Tensor) else None})
+        out["cases"] = run_cases(link, learner["main"], inputs["cases"])
         for key, role in (("rs", "reduce_scatter"), ("ag", "all_gather")):
             fn = learner.get(role)
             for i, x in enumerate(inputs[key] if fn is not None else []):

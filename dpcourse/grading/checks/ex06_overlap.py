@@ -6,8 +6,7 @@ from dpcourse.grading.checks import ddp_common as d
 from dpcourse.grading.checks.base import CaseVerdict, follow_causes
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 
-MIB = d.MIB
-CAPS = (500 / MIB, 0.0)  # a few buckets, then one per parameter
+CAPS = (500 / d.MIB, 0.0)  # a few buckets, then one per parameter
 CARRIED = "issued exactly the right all-reduces"
 RESET_HINT = ("The first step went right and a later one did not: what your wrapper counts "
               "during one step (how many gradients each bucket has received, the work in "
@@ -75,14 +74,7 @@ class OverlappedDDP(d.DDPExercise):
                           "is exactly what overlap avoids.",
                           needs=("one_all_reduce_per_bucket",)),
                 no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name))
-    notes = (d.tolerance_note(),)
-
-    def make_inputs(self, rng, world_size):
-        return d.make_inputs(rng, world_size, 1, [{"bucket_cap_mb": cap} for cap in CAPS])
-
-    @staticmethod
-    def rank_run(link, learner, inputs):
-        return d.rank_train(link, learner, inputs)
+    runs = tuple({"bucket_cap_mb": cap} for cap in CAPS)
 
     def judge(self, ws, inputs, outputs, events):
         from dpcourse.grading import oracles
@@ -94,7 +86,7 @@ class OverlappedDDP(d.DDPExercise):
             for r in range(ws):
                 sizes, mine = {}, []
                 for step in range(d.STEPS):
-                    case = f"bucket_cap_mb={cap:g} ({cap * MIB:g} bytes), rank {r}, step {step}"
+                    case = f"bucket_cap_mb={cap:g} ({cap * d.MIB:g} bytes), rank {r}, step {step}"
                     sizes[step], structure = self._structure(d.step_events(events[r], i, step),
                                                              want, case)
                     mine += structure
@@ -104,7 +96,7 @@ class OverlappedDDP(d.DDPExercise):
                     if i == 0:  # judge_training judges the first run's steps
                         mark_carried(recs, f"rank {r},", *found)
                 recs += mine
-        follow_causes(self, recs, reset_cause)
+        follow_causes(self, recs, lambda rec: reset_cause(rec) or d.later_step_cause(rec))
         return recs
 
     @staticmethod
@@ -115,6 +107,3 @@ class OverlappedDDP(d.DDPExercise):
                      CaseVerdict("buckets_in_reverse_order", got == want,
                             f"all-reduce sizes in issue order {got} bytes, expected {want}", case),
                      *overlap]
-
-    def explain(self, text):
-        return d.explain(text)

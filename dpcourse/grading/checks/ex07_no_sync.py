@@ -11,8 +11,6 @@ from dpcourse.grading.checks import ddp_common as d
 from dpcourse.grading.checks.base import CaseVerdict
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 
-ACCUMULATION = 4
-
 
 class NoSync(d.DDPExercise):
     """Gradient accumulation: ``no_sync()`` on the learner's wrapper, and the accumulation loop."""
@@ -33,14 +31,7 @@ class NoSync(d.DDPExercise):
                   weight=2),
         no_delegation(d.C_DDP.name), no_deadlock(d.C_DDP.name),
     )
-    notes = (d.tolerance_note(),)
-
-    def make_inputs(self, rng, world_size):
-        return d.make_inputs(rng, world_size, ACCUMULATION, [{}])
-
-    @staticmethod
-    def rank_run(link, learner, inputs):
-        return d.rank_train(link, learner, inputs)
+    accumulation = 4
 
     def judge(self, ws, inputs, outputs, events):
         recs = [r for r in d.judge_training(ws, inputs, outputs, events)
@@ -64,6 +55,3 @@ class NoSync(d.DDPExercise):
                 recs.append(CaseVerdict("syncs_once_per_step", got == total, f"rank {r}, step {step}: "
                                    f"all-reduced {got} bytes of gradients, the model has {total}"))
         return recs
-
-    def explain(self, text):
-        return d.explain(text)

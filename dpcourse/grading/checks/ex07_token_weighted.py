@@ -258,6 +258,3 @@ class TokenWeighted(d.DDPExercise):
                 CaseVerdict("weights_across_ranks", math.isclose(share, want_sum, rel_tol=1e-5),
                        f"{sum(sizes)} of {total} rows: its loss weights add up to {share:.4g}, "
                        f"expected {want_sum:.4g}", label)]
-
-    def explain(self, text):
-        return d.explain(text)

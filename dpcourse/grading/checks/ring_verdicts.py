@@ -19,6 +19,7 @@ _SCALED = "every value {} times too small or too large"
 _ALL = "all of them"
 _EVEN = "an even split (chunk lengths differing by at most one) everywhere"
 _PAST = "past the tensor's end"
+_PADDED = "what chunks padded to ceil(numel / N) elements carry"
 
 
 def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
@@ -64,11 +65,12 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
                                    "the tensor was replaced or reshaped instead of updated "
                                    "in place", name))
             recs.append(_neighbours(r, ws, mine, name))
-            if numel and numel % ws == 0:
-                sent = sum(e["nbytes"] for e in mine if e["op"] == "send")
-                need = oracles.ring_bytes(numel, ws, elsize)
-                recs.append(CaseVerdict("bandwidth_optimal", sent == need,
-                                   f"rank {r} sent {sent} bytes, a ring sends {need}", name))
+            sent = sum(e["nbytes"] for e in mine if e["op"] == "send")
+            need = oracles.ring_sent_bytes(numel, ws, r, elsize)
+            detail = f"rank {r} sent {sent} bytes, the ring sends {need}"
+            if numel % ws and sent == 2 * (ws - 1) * -(-numel // ws) * elsize:
+                detail += f" ({_PADDED})"
+            recs.append(CaseVerdict("bandwidth_optimal", sent == need, detail, name))
     _judge_halves(ws, inputs, outputs, recs)
     for key, role in (("rs", "reduce_scatter"), ("ag", "all_gather")):
         for i in range(len(outputs[0][key])):
@@ -153,6 +155,10 @@ def cause(spec, ws: int, rec: CaseVerdict) -> str:
             failed(spec, "chunk_bounds_correct"):
         return ("chunk_bounds fails too (see chunk_bounds_correct), and your halves cut the "
                 "tensor with it: fix it first.")
+    if rec.criterion == "bandwidth_optimal" and _PADDED in text:
+        return ("Only lengths that N does not divide send too much: every message carried a "
+                "chunk padded to the first chunk's length. Send each chunk's real elements "
+                "(cut by chunk_bounds), and nothing for an empty one.")
     if rec.criterion == "ring_neighbours_only" and "the way lesson 04's ring turns" in text:
         return ("Your ring turns right, like lesson 04's: rank r sent to r + 1. This ring turns "
                 "left (send to r - 1, receive from r + 1), and rank r must still end the "
