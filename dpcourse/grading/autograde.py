@@ -2,23 +2,17 @@
 
 For each notebook:
 
-1. Run it top to bottom in a kernel the grader owns (:mod:`~dpcourse.grading.executor`,
-   its own session, private temp and runtime dirs), in a sandbox
-   (:mod:`~dpcourse.grading.sandbox`) that sees no network, no other file of the grader's
-   and no other submission, and writes only to a scratch folder of its own. At the time limit the kernel and
-   everything it started (ranks, detached children) are killed; a dead kernel or a
-   malformed notebook scores zero and grading carries on.
-2. Without the sandbox, put back any file of the course package the notebook changed
-   on disk (in the sandbox it cannot change them).
-3. Take the learner's definitions from the cells that ran (``def``, ``class``,
-   imports, plain values; never the calls) and run each check for the notebook's
-   lesson number in fresh rank processes (:mod:`~dpcourse.grading.runner`), with the
-   grader's world sizes and fresh random cases. Verdicts are reached in this process.
+1. Run it in a kernel the grader owns (:mod:`~dpcourse.grading.executor`), in a sandbox
+   (:mod:`~dpcourse.grading.sandbox`) with no network, none of the grader's files and no
+   other submission. At the time limit the kernel and all it started are killed; a dead
+   kernel or a malformed notebook scores zero and grading carries on.
+2. Without the sandbox, put back any file of the course package the notebook changed.
+3. Run each check of the notebook's lesson on the definitions from the cells that ran
+   (never the calls), in fresh ranks (:mod:`~dpcourse.grading.runner`) with the grader's
+   world sizes and fresh random cases. Verdicts are reached in this process.
 
-Nothing the notebook writes (files, environment, its own ``check`` calls) is read
-as a result. Where the sandbox cannot run, grading is refused unless the instructor
-asks for it without one (``sandbox=False``, ``--no-sandbox``); every result then
-says "not sandboxed".
+Nothing the notebook writes is read as a result. Without a working sandbox grading is
+refused unless the instructor passes ``--no-sandbox``; every result then says so.
 """
 
 from __future__ import annotations
@@ -28,62 +22,57 @@ import os
 import shutil
 import tempfile
 import time
+from unittest import mock
 
 from dpcourse.argtypes import UsageError
-from dpcourse.grading import procs, sandbox as sandboxing
+from dpcourse.grading import sandbox as sandboxing
 from dpcourse.grading.checks import for_notebook
 from dpcourse.grading.executor import Execution, execute
 from dpcourse.grading.report import NOT_GRADED_STATUS, CheckResult, CriterionResult, strip_ansi
 from dpcourse.grading.runner import run_check
-from dpcourse.grading.submission import extract
+from dpcourse.grading.submission import extract, from_notebook
+from dpcourse.launch import reaper
+
+NOT_SANDBOXED = "not sandboxed"
+
 
 def collect(paths: list[str]) -> list[tuple[str, str]]:
     """Return ``(path, submission)`` for every notebook under ``paths``, in name order."""
-    out = []
+    found = []
     for p in paths:
         if os.path.isdir(p):
-            found = []
-            for folder, dirs, names in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                found += [os.path.join(folder, n) for n in names if n.endswith(".ipynb")]
-            if not found:
+            mine = sorted(os.path.join(folder, n) for folder, _, names in os.walk(p)
+                          if not any(part.startswith(".") and part != "." for part in
+                                     os.path.relpath(folder, p).split(os.sep))
+                          for n in names if n.endswith(".ipynb"))
+            if not mine:
                 raise UsageError(f"no notebooks (*.ipynb) in folder {p!r}.")
-            out += [(f, os.path.basename(os.path.dirname(os.path.abspath(f))))
-                    for f in sorted(found)]
-        elif os.path.isfile(p):
-            if not p.endswith(".ipynb"):
-                raise UsageError(f"{p!r} is not a notebook: give .ipynb files or folders of them.")
-            out.append((p, os.path.basename(os.path.dirname(os.path.abspath(p)))))
-        else:
+            found += mine
+        elif not os.path.isfile(p):
             raise UsageError(f"no notebook or folder at {p!r}.")
-    return out
-
-
-NOT_SANDBOXED = "not sandboxed"
+        elif not p.endswith(".ipynb"):
+            raise UsageError(f"{p!r} is not a notebook: give .ipynb files or folders of them.")
+        else:
+            found.append(p)
+    return [(f, os.path.basename(os.path.dirname(os.path.abspath(f)))) for f in found]
 
 
 @contextlib.contextmanager
 def _private_tempdir():
     """Send every temp file of this run (ours, torch's caches) to one folder, removed at the end."""
     run_tmp = tempfile.mkdtemp(prefix="dpcourse-grade-run-")
-    old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = run_tmp, run_tmp
     try:
-        yield run_tmp
+        with mock.patch.dict(os.environ, TMPDIR=run_tmp), \
+                mock.patch.object(tempfile, "tempdir", run_tmp):
+            yield run_tmp
     finally:
-        tempfile.tempdir = old_dir
-        if old_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = old_env
         shutil.rmtree(run_tmp, ignore_errors=True)
 
 
 def not_here_for_grader(spec) -> str | None:
     """What this machine lacks to grade ``spec``, and where to grade it instead; or ``None``.
 
-    Asked in the grader's own process (its view of the GPUs, not the notebook's): a
-    notebook cannot make its check count as not graded, nor as graded.
+    Asked in the grader's own process: a notebook cannot change the answer.
     """
     lack = spec.unavailable_here()
     if not lack:
@@ -94,8 +83,7 @@ def not_here_for_grader(spec) -> str | None:
 
 def _zero(spec, why: str) -> CheckResult:
     return CheckResult(spec.name, spec.exercise, spec.title, [
-        CriterionResult(c.name, c.description, False, f"not graded: {why}", "",
-                        getattr(c, "weight", 1.0), getattr(c, "gate", False))
+        CriterionResult(c.name, c.description, False, f"not graded: {why}", "", c.weight, c.gate)
         for c in spec.criteria], spec.points, 0.0, [why])
 
 
@@ -129,10 +117,7 @@ def grade_notebook(path: str, text: str, timeout: float, snapshot,
                "the files were put back and this notebook scores zero")
         info.update(status="tampered", message=why)
         return info, [_zero(s, why) for s in specs], run.executed
-    stop = run.stop if run.status != "ok" else None
-    sources = [(f"<cell {i}>", c.source) for i, c in enumerate(nb.cells)
-               if c.cell_type == "code" and (stop is None or i < stop)]
-    cells, problems = extract(sources)
+    cells, problems = extract(from_notebook(nb, before=run.stop if run.status != "ok" else None))
     results = []
     for spec in specs:
         if spec.name in blocked:
@@ -190,7 +175,7 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None,
     # notebook changes there is noticed and put back after it.
     snapshot = None if sandbox else PackageSnapshot()
     notebooks, rows = [], []
-    with procs.subreaper(), _private_tempdir(), (
+    with reaper.subreaper(), _private_tempdir(), (
             sandboxing.prepared() if sandbox else contextlib.nullcontext()) as box:
         for path, submission in files:
             info, results, executed = grade_notebook(path, texts[path], timeout, snapshot, box)

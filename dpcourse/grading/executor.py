@@ -1,24 +1,13 @@
-"""Execute one notebook for ``dpcourse grade`` (run as ``python -m dpcourse.grading.executor``).
+"""Execute one notebook for ``dpcourse grade``: :func:`execute` (the grader's side) starts
+``python -m dpcourse.grading.executor IN.ipynb OUT.ipynb PROGRESS [SANDBOX]`` in its own
+session, watches PROGRESS and kills it, its kernel and all they started at the time limit.
 
-The grader starts this process in its own session with a private working
-directory, temp dir and Jupyter runtime dir, and kills it together with its
-kernel (and anything the kernel started) at the time limit. This process only
-runs the cells and records progress; it decides nothing about scores.
-
-Usage: ``python -m dpcourse.grading.executor IN.ipynb OUT.ipynb PROGRESS [SANDBOX]``.
-PROGRESS receives ``ready``, then ``start N`` before and ``done N`` after each code
-cell, and a last line ``end STATUS N MESSAGE``.
-
-With SANDBOX (JSON: ``bwrap``, ``package``, ``disable_userns``, ``env``) the kernel, and only the kernel,
-runs in a sandbox (:mod:`dpcourse.grading.sandbox`) whose scratch folder is this
-process's working directory. Its channel to this process is ZeroMQ over Unix
-sockets in that folder (jupyter_client's ``ipc`` transport, relative names, so
-both sides use the same ones): the kernel has no network, not even the
-machine's loopback. This process, outside the sandbox, writes OUT and PROGRESS
-where the kernel cannot reach them.
-
-:func:`execute` is the grader's side: it starts this process, watches PROGRESS and
-stops everything at the time limit.
+PROGRESS receives ``ready``, ``start N`` and ``done N`` around each code cell, and a last
+line ``end STATUS N MESSAGE``. With SANDBOX (JSON: ``bwrap``, ``package``,
+``disable_userns``, ``env``) only the kernel runs in the sandbox, with this process's
+working directory as its scratch; they talk ZeroMQ over Unix sockets there (``ipc``
+transport), so the kernel needs no network, not even loopback. OUT and PROGRESS are
+written by this process, where the kernel cannot reach them.
 """
 
 from __future__ import annotations
@@ -35,21 +24,15 @@ from dataclasses import dataclass
 
 import psutil
 
-from dpcourse.grading import procs
 from dpcourse.grading.report import strip_ansi
+from dpcourse.launch import reaper
 
 KERNEL_START = 60.0  # seconds for the kernel to come up, on top of the notebook's time limit
 
 
 class _NoIriSyntax(importlib.abc.MetaPathFinder):
-    """Keep jsonschema from importing ``rfc3987_syntax`` into this process.
-
-    nbformat imports jsonschema, which imports ``rfc3987_syntax`` (where installed)
-    only to check strings of the ``iri`` format; that import builds a grammar and
-    costs about 1.5 s of CPU, once per graded notebook. Notebook validation never
-    checks that format, so jsonschema's fallback (the format left unchecked) changes
-    nothing here.
-    """
+    """Keep jsonschema from importing ``rfc3987_syntax`` (about 1.5 s of CPU per notebook):
+    it only checks the ``iri`` string format, which notebook validation never uses."""
 
     def find_spec(self, name, path=None, target=None):
         if name == "rfc3987_syntax":
@@ -133,7 +116,6 @@ def main(src: str, dst: str, progress_path: str, sandbox: str | None = None) -> 
     return 0
 
 
-
 @dataclass
 class Execution:
     """How a notebook's run ended."""
@@ -145,26 +127,16 @@ class Execution:
     cell_seconds: float = 0.0  # from the kernel being ready to the end of the run
 
 
-def _kernel_env(scratch: str) -> dict:
-    """The kernel's whole environment inside the sandbox (its home and temp are its own)."""
+def _env(folder: str) -> dict:
+    """The settings of a kernel whose Jupyter, IPython and matplotlib files go under ``folder``."""
     from dpcourse.grading.runner import SKIP_ENV
 
-    return {"JUPYTER_PLATFORM_DIRS": "1", "PYDEVD_DISABLE_FILE_VALIDATION": "1", SKIP_ENV: "1",
-            "IPYTHONDIR": os.path.join(scratch, ".ipython"),
-            "MPLCONFIGDIR": os.path.join(scratch, ".mpl"),
-            "JUPYTER_RUNTIME_DIR": os.path.join(scratch, ".runtime")}
-
-
-def _env(work: str) -> dict:
-    from dpcourse.grading.runner import SKIP_ENV
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DPCOURSE_")}
-    for key, sub in (("TMPDIR", "tmp"), ("JUPYTER_RUNTIME_DIR", "runtime"),
-                     ("IPYTHONDIR", "ipython"), ("MPLCONFIGDIR", "mpl")):
-        os.makedirs(os.path.join(work, sub), exist_ok=True)
-        env[key] = os.path.join(work, sub)
-    env.update(JUPYTER_PLATFORM_DIRS="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
-    env[SKIP_ENV] = "1"  # the notebook's own check() calls defer to the grader
+    env = {"JUPYTER_PLATFORM_DIRS": "1", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+           SKIP_ENV: "1"}  # the notebook's own check() calls defer to the grader
+    for key, sub in (("JUPYTER_RUNTIME_DIR", ".runtime"), ("IPYTHONDIR", ".ipython"),
+                     ("MPLCONFIGDIR", ".mpl")):
+        env[key] = os.path.join(folder, sub)
+        os.makedirs(env[key], exist_ok=True)
     return env
 
 
@@ -177,11 +149,8 @@ def _progress(path: str) -> list[str]:
 
 
 def execute(nb, timeout: float, sandbox=None) -> Execution:
-    """Run notebook ``nb`` in an owned kernel; kill everything at ``timeout`` s of cell time.
-
-    With ``sandbox`` (a :class:`~dpcourse.grading.sandbox.Sandbox`) the kernel runs in it,
-    its scratch folder the notebook's working directory.
-    """
+    """Run notebook ``nb`` in an owned kernel (in ``sandbox``, a
+    :class:`~dpcourse.grading.sandbox.Sandbox`, if given); kill all at ``timeout`` s of cell time."""
     import nbformat
 
     work = tempfile.mkdtemp(prefix="dpcourse-grade-")
@@ -193,15 +162,16 @@ def execute(nb, timeout: float, sandbox=None) -> Execution:
     if sandbox is not None:
         argv.append(json.dumps({"bwrap": sandbox.bwrap, "package": sandbox.package,
                                 "disable_userns": sandbox.disable_userns,
-                                "env": _kernel_env(run_dir)}))
+                                "env": _env(run_dir)}))
     before = {p.pid for p in psutil.Process().children()}
     proc = None
     try:
         with open(os.path.join(work, "executor.log"), "wb") as log:
-            proc = subprocess.Popen(
-                argv,
-                cwd=run_dir, env=_env(work), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("DPCOURSE_")}
+            env.update(_env(work), TMPDIR=os.path.join(work, "tmp"))
+            os.makedirs(env["TMPDIR"])
+            proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log, start_new_session=True)
         started, deadline = time.monotonic(), None
         while True:
             lines = _progress(progress)
@@ -216,12 +186,12 @@ def execute(nb, timeout: float, sandbox=None) -> Execution:
             if deadline is not None and now > deadline:
                 running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
                 cell = running[-1] if running else None
-                procs.kill_tree([proc.pid])
-                procs.kill_new_children(before)
+                reaper.kill_tree([proc.pid])
+                reaper.kill_new_children(before)
                 return Execution("timeout", cell, f"cell {cell} was still running at the time "
                                  f"limit ({timeout:g} s); it and everything it started were "
                                  "stopped", _read(dst), time.monotonic() - deadline + timeout)
-            procs.reap(keep=before | {proc.pid})  # orphans the notebook left, as they end
+            reaper.reap(keep=before | {proc.pid})  # orphans the notebook left, as they end
             time.sleep(0.1)
         spent = time.monotonic() - deadline + timeout if deadline is not None else 0.0
         lines = _progress(progress)
@@ -238,8 +208,8 @@ def execute(nb, timeout: float, sandbox=None) -> Execution:
         return Execution(status, int(index), f"cell {index}: {message}", _read(dst), spent)
     finally:
         if proc is not None:
-            procs.kill_tree([proc.pid])
-        procs.kill_new_children(before)
+            reaper.kill_tree([proc.pid])
+        reaper.kill_new_children(before)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -1,26 +1,20 @@
 """What ``dpcourse grade`` writes: the score table, JSON, gradebook CSVs and feedback notebooks.
 
-- ``--csv``: one row per submission, check and criterion (long format, for a spreadsheet
-  or pandas): submission, notebook, exercise, check, criterion, weight, passed, points,
-  max_points, detail. The points of a check's rows add up to the check's points.
-- ``--lms-csv``: one row per submission, one column per exercise and a total, with the
-  ``Student``/``ID`` columns first. Canvas's gradebook import (Grades > Import) and
-  Moodle's CSV grade import (Grades > Import > CSV file, mapping ``ID`` to the username
-  or e-mail) both read this layout; the submission folder name is used as the ID.
-- ``--feedback DIR``: per notebook, ``DIR/<submission>/<name>.feedback.ipynb`` (the
-  executed notebook with the report as its first cell) and the same as ``.html``.
+- ``--csv``: one row per submission, check and criterion; a check's rows add up to its points.
+- ``--lms-csv``: one row per submission (``Student``, ``ID`` = the submission folder, one
+  column per exercise, ``Total``): the layout Canvas's and Moodle's CSV grade imports read.
+- ``--feedback DIR``: ``DIR/<submission>/<name>.feedback.ipynb`` (the executed notebook
+  after the report) and the same as ``.html``.
 
-A check this machine cannot run (a row whose ``not_graded`` gives the reason, e.g.
-exercise 12 without 2 GPUs) is shown as not graded everywhere, never as 0 points:
-it is left out of every maximum and total (:func:`counted_max`), its ``--csv`` row
-(criterion ``not_graded``) and its ``--lms-csv`` cell are empty instead of a 0 that
-would read as a grade, and the reason goes in the ``--lms-csv`` column ``Not graded``
-and in the feedback report.
+A check this machine cannot run (``not_graded`` gives the reason) is never shown as 0
+points: it is left out of every maximum and total (:func:`counted_max`), its cells are
+empty, and the reason is given instead.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 
@@ -29,6 +23,7 @@ from dpcourse.grading.report import NOT_GRADED_STATUS, strip_ansi
 
 
 def _atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader never sees half of it."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", newline="", encoding="utf-8") as f:
         f.write(text)
@@ -81,11 +76,8 @@ def write_json(report: dict, path: str) -> None:
 
 
 def split_points(amount: float, weights: list[float]) -> list[float]:
-    """Share ``amount`` in proportion to ``weights``, to 0.01, adding up to ``amount`` exactly.
-
-    Each share is rounded; the last share with a weight takes what rounding left over,
-    so that a gradebook's rows sum to the points reported for their check.
-    """
+    """Share ``amount`` in proportion to ``weights``, to 0.01, adding up to ``amount`` exactly
+    (the last share with a weight takes what rounding left over)."""
     total = sum(weights)
     if not total:
         return [0.0] * len(weights)
@@ -105,8 +97,6 @@ def criterion_points(row: dict) -> list[float]:
 
 def write_csv(report: dict, path: str) -> None:
     """One row per submission, check and criterion."""
-    import io
-
     buf = io.StringIO()
     w = csv.writer(buf)
     bare = report.get("sandboxed") is False  # every row then says so, in its own column
@@ -128,17 +118,12 @@ def write_csv(report: dict, path: str) -> None:
 
 def write_lms_csv(report: dict, path: str) -> None:
     """One row per submission: Student, ID, one column per exercise, Total."""
-    import io
-
-    columns = []
-    for r in report["results"]:
-        col = f"Exercise {r['exercise']}: {r['title']} ({r['max_points']:g})"
-        if col not in columns:
-            columns.append(col)
+    columns: dict[str, None] = {}
     table: dict[str, dict] = {}
     why: dict[str, list[str]] = {}
     for r in report["results"]:
         col = f"Exercise {r['exercise']}: {r['title']} ({r['max_points']:g})"
+        columns[col] = None
         marks = table.setdefault(r["submission"], {})
         if r.get("not_graded"):
             marks.setdefault(col, "")  # empty, not 0: a 0 would read as a grade

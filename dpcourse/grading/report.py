@@ -1,9 +1,6 @@
-"""Results of a check: one line per criterion, rendered for a terminal and for Jupyter.
+"""Results of a check (what ``check(...)`` returns and ``dpcourse grade`` collects): text, HTML, dict.
 
-A :class:`CheckResult` is what ``check(...)`` returns and what ``dpcourse grade``
-collects. It prints as a short plain-text report, renders as an HTML table in
-Jupyter, and turns into a plain dict (``to_dict``). Points are the weighted
-share of criteria credited, never more than the maximum.
+Points are the weighted share of criteria credited, never more than the maximum.
 """
 
 from __future__ import annotations
@@ -25,17 +22,8 @@ def strip_ansi(text: str) -> str:
 
 @dataclass
 class CriterionResult:
-    """The outcome of one criterion of a check.
-
-    Attributes:
-        name: short identifier, e.g. ``"matches_all_reduce"`` (stable: tests and graders use it).
-        description: what the criterion asks for, in one sentence.
-        passed: whether it held in every case that was run.
-        detail: for a failure, what was observed (first failing case).
-        hint: for a failure, the likely mistake and where to look.
-        weight: its share of the check's points.
-        gate: a failure scores the whole check zero.
-    """
+    """The outcome of one criterion: for a failure, ``detail`` (what was observed in the first
+    failing case) and ``hint`` (the likely mistake); ``gate``: a failure scores the check zero."""
 
     name: str
     description: str
@@ -49,7 +37,6 @@ class CriterionResult:
         self.detail, self.hint = strip_ansi(self.detail), strip_ansi(self.hint)
 
     def to_dict(self) -> dict:
-        """Return the result as a JSON-ready dict."""
         return {"name": self.name, "description": self.description, "passed": self.passed,
                 "weight": self.weight, "detail": self.detail, "hint": self.hint}
 
@@ -58,17 +45,9 @@ class CriterionResult:
 class CheckResult:
     """The outcome of a check: every criterion, a score and points.
 
-    Attributes:
-        check: the check's name, e.g. ``"ring_all_reduce"``.
-        exercise: the exercise label, e.g. ``"04"``.
-        title: a human title for the report.
-        criteria: one :class:`CriterionResult` per criterion, in order.
-        max_points: points for all criteria passing.
-        seconds: wall time the check took.
-        notes: extra lines shown under the table (e.g. tolerances used).
-        not_graded: why the check could not run on this machine (e.g. it needs GPUs), or
-            ``None``. Such a result is neither passed nor failed: no criteria, no points, and
-            ``dpcourse grade`` leaves its ``max_points`` out of the totals.
+    ``not_graded``: why this machine could not run the check (e.g. it needs GPUs), or
+    ``None``. Such a result has no criteria and no points, and ``dpcourse grade`` leaves
+    its ``max_points`` out of the totals.
     """
 
     check: str
@@ -82,23 +61,16 @@ class CheckResult:
 
     @classmethod
     def not_graded_here(cls, spec, why: str) -> "CheckResult":
-        """The result of ``spec`` (a check) that this machine cannot run: no criteria, no points.
-
-        Args:
-            spec: the check (its ``name``, ``exercise``, ``title`` and ``points`` are used).
-            why: what the machine lacks and where to run the check instead.
-        """
+        """The result of check ``spec`` that this machine cannot run, saying ``why``."""
         return cls(spec.name, spec.exercise, spec.title or spec.name, [], spec.points, 0.0, [],
                    not_graded=why)
 
     @property
     def passed(self) -> int:
-        """Number of criteria passed."""
         return sum(c.passed for c in self.criteria)
 
     @property
     def total(self) -> int:
-        """Number of criteria."""
         return len(self.criteria)
 
     @property
@@ -116,18 +88,10 @@ class CheckResult:
 
     @property
     def all_passed(self) -> bool:
-        """True when every criterion passed."""
         return self.total > 0 and self.passed == self.total
 
     def criterion(self, name: str) -> CriterionResult:
-        """Return the criterion called ``name``.
-
-        Args:
-            name: a criterion name, e.g. ``"no_deadlock"``.
-
-        Returns:
-            The matching :class:`CriterionResult`.
-        """
+        """Return the criterion called ``name`` (``KeyError`` naming the others if none)."""
         for c in self.criteria:
             if c.name == name:
                 return c
@@ -135,7 +99,6 @@ class CheckResult:
                        f"{[c.name for c in self.criteria]}.")
 
     def failed(self) -> list[str]:
-        """Return the names of the criteria that failed."""
         return [c.name for c in self.criteria if not c.passed]
 
     def to_dict(self) -> dict:
@@ -208,37 +171,22 @@ class CheckResult:
         from IPython.display import display
 
         # check() already showed this report in the same cell: don't show it twice.
-        if _displayed_in_this_cell(self):
-            return
-        display({"text/plain": str(self), "text/html": self._repr_html_()}, raw=True)
+        ip = _ipython()
+        if ip is None or getattr(self, "_shown_at", None) != ip.execution_count:
+            display({"text/plain": str(self), "text/html": self._repr_html_()}, raw=True)
 
 
-def _execution_count() -> int | None:
+def _ipython():
     try:
         from IPython import get_ipython
     except ImportError:
         return None
-    ip = get_ipython()
-    return getattr(ip, "execution_count", None) if ip is not None else None
-
-
-def _displayed_in_this_cell(result: CheckResult) -> bool:
-    shown = getattr(result, "_shown_at", None)
-    return shown is not None and shown == _execution_count()
+    return get_ipython()
 
 
 def show(result: CheckResult) -> None:
-    """Display ``result`` now: HTML in Jupyter, plain text in a terminal.
-
-    Args:
-        result: the check result to show.
-    """
-    try:
-        from IPython import get_ipython
-
-        ip = get_ipython()
-    except ImportError:
-        ip = None
+    """Display ``result`` now: HTML in Jupyter, plain text in a terminal."""
+    ip = _ipython()
     if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":
         from IPython.display import display
 
@@ -246,4 +194,4 @@ def show(result: CheckResult) -> None:
     else:
         print(result, flush=True)
     if ip is not None:
-        result._shown_at = _execution_count()
+        result._shown_at = ip.execution_count

@@ -1,21 +1,23 @@
 """Run a check on the learner's definitions and turn the grader's judgement into a report.
 
-Both paths use this module: ``dpcourse grade`` (the definitions come from the
-notebook file) and the learner's in-notebook ``check(...)`` (they come from
-the cells the kernel ran). Either way the grader picks the world sizes and
-makes fresh random cases, the learner's code runs in ranks started here, and
-every verdict is reached in this process from the ranks' outputs and from the
-grader's own record of their messages.
+Used by ``dpcourse grade`` (definitions from the notebook file) and by the learner's
+``check(...)`` (from the cells the kernel ran). Either way the grader picks the world
+sizes and fresh random cases, the learner's code runs in ranks started here, and every
+verdict is reached in this process from the ranks' outputs and the grader's own record
+of their messages.
 """
 
 from __future__ import annotations
 
-import contextlib
+import base64
+import inspect
 import os
 import random
 import secrets
+import sys
 import tempfile
 import time
+from unittest import mock
 
 from dpcourse.grading.checks import Exercise, CaseVerdict, available_checks, get_spec
 from dpcourse.grading.criteria import NO_DEADLOCK, NO_DELEGATION, NOT_IMPLEMENTED
@@ -62,7 +64,7 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[CaseVerdict]
             ok, detail = False, (f"{bad[0].case}: " if bad[0].case and bad[0].case not in
                                  bad[0].detail else "") + bad[0].detail
         elif c.name == NO_DEADLOCK.name:
-            ok = failure is None or failure[1].kind == "error" and False
+            ok = failure is None
             detail = "" if failure is None else (
                 _failure_text(failure[1], failure[0]) if failure[1].kind == "timeout"
                 else f"not checked: {stopped}")
@@ -96,25 +98,11 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[CaseVerdict]
     return list(results.values())
 
 
-@contextlib.contextmanager
-def _temp_folder(folder: str | None):
-    """Make ``folder`` (if any) ``tempfile``'s folder while the block runs."""
-    if folder is None:
-        yield
-        return
-    old = tempfile.tempdir
-    tempfile.tempdir = folder
-    try:
-        yield
-    finally:
-        tempfile.tempdir = old
-
-
 def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
               timeout: float | None = None, seed: int | None = None,
               problems: list[str] | None = None, pickled: str | None = None,
               sandbox=None) -> CheckResult:
-    """Run ``spec`` on the learner's kept ``cells`` and return the judged result.
+    """Run ``spec`` on the learner's kept ``cells`` and return the judged :class:`CheckResult`.
 
     Args:
         spec: the check.
@@ -123,13 +111,9 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
         timeout: seconds per round before the ranks count as hung (default: the check's).
         seed: seed of the random cases (default: a fresh secret one).
         problems: notes about cells that could not be read.
-        pickled: the learner's objects by value (base64 cloudpickle) instead of ``cells``:
-            the learner's own ``check()`` on objects whose source cannot be found.
-        sandbox: a :class:`~dpcourse.grading.sandbox.Sandbox` each rank runs in
-            (``dpcourse grade``), or ``None``: plain processes (the learner's own ``check()``).
-
-    Returns:
-        The :class:`CheckResult`.
+        pickled: the objects by value (base64 cloudpickle) instead of ``cells``, for a
+            ``check()`` on objects whose source cannot be found.
+        sandbox: the :class:`~dpcourse.grading.sandbox.Sandbox` each rank runs in, or ``None``.
     """
     t0 = time.perf_counter()
     notes = list(problems or []) + list(spec.notes)
@@ -163,7 +147,7 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
             if why is not None:
                 failure = (None, why)
             for ws in sizes if why is None else ():
-                with _temp_folder(world.shared):
+                with mock.patch.object(tempfile, "tempdir", world.shared or tempfile.tempdir):
                     inputs = spec.make_inputs(rng, ws)
                 rnd = world.run_round(ws, inputs, timeout or spec.timeout)
                 if rnd.failure is not None:
@@ -179,9 +163,6 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
 
 def _sources_of(obj) -> list[tuple[str, str]]:
     """The code the learner ran: the kernel's cells in order, or the file ``obj`` comes from."""
-    import inspect
-    import sys
-
     if not (inspect.isfunction(obj) or inspect.isclass(obj)):  # e.g. a kernel kept as text
         raise TypeError(f"{obj!r} travels by value")
     module = getattr(obj, "__module__", None)
@@ -203,12 +184,11 @@ def _sources_of(obj) -> list[tuple[str, str]]:
 
 def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
           **extras) -> CheckResult:
-    """Check the learner's ``obj`` on the grader's cases; show and return the report.
+    """Check the learner's ``obj`` on the grader's cases, as ``dpcourse grade`` does; show and
+    return the :class:`~dpcourse.grading.report.CheckResult`.
 
-    The learner's quick self-check: the same cases, processes and verdicts as
-    ``dpcourse grade``, run on the definitions this kernel has executed. Never
-    raises because of the learner's code: an exception, a hang or a missing
-    implementation (``NotImplementedError``) becomes failed criteria.
+    Never raises because of the learner's code: an exception, a hang or a
+    ``NotImplementedError`` becomes failed criteria.
 
     Args:
         name: which exercise, e.g. ``"ring_all_reduce"`` (see :func:`available_checks`).
@@ -216,28 +196,25 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         timeout: seconds per round before the ranks count as hung (default: the check's).
         quiet: don't display the report (it is still returned).
         **extras: the check's further definitions under other names, e.g.
-            ``chunk_bounds=my_bounds``; by default the notebook's standard names are used.
-
-    Returns:
-        A :class:`~dpcourse.grading.report.CheckResult` (``.score``, ``.criteria``,
-        ``.points``); in Jupyter it renders as a table.
+            ``chunk_bounds=my_bounds``.
     """
+    result = _check(name, obj, timeout, extras)
+    if not quiet:
+        show(result)
+    return result
+
+
+def _check(name: str, obj, timeout: float | None, extras: dict) -> CheckResult:
     spec = get_spec(name)
     roles = spec.roles
     if os.environ.get(SKIP_ENV) == "1":
         # Inside `dpcourse grade`'s kernel: the grader runs this check itself, afterwards.
-        result = CheckResult(spec.name, spec.exercise, spec.title, [], spec.points, 0.0,
-                             ["not run here: dpcourse grade runs this check on your definitions"])
-        if not quiet:
-            show(result)
-        return result
+        return CheckResult(spec.name, spec.exercise, spec.title, [], spec.points, 0.0,
+                           ["not run here: dpcourse grade runs this check on your definitions"])
     lack = spec.unavailable_here()
     if lack:  # e.g. GPU kernels on a laptop: say so, neither pass nor fail
-        result = CheckResult.not_graded_here(spec, f"{lack}. Run this notebook on a machine "
-                                             f"with {spec.needs} to have it checked.")
-        if not quiet:
-            show(result)
-        return result
+        return CheckResult.not_graded_here(spec, f"{lack}. Run this notebook on a machine "
+                                           f"with {spec.needs} to have it checked.")
     unknown = set(extras) - (set(roles) - {"main"})
     if unknown:
         raise TypeError(f"check({name!r}) got unexpected keyword(s) {sorted(unknown)}; it accepts "
@@ -253,15 +230,10 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         cells, problems = extract(_sources_of(obj))
         pickled = None
     except (OSError, TypeError, ValueError):  # built by exec, say: send the objects by value
-        import base64
-
         import cloudpickle
 
         objs = {"main": obj, **extras}
         cells, problems = [], []
         pickled = base64.b64encode(cloudpickle.dumps(objs)).decode()
         names = {role: role for role in objs}
-    result = run_check(spec, cells, names, timeout=timeout, problems=problems, pickled=pickled)
-    if not quiet:
-        show(result)
-    return result
+    return run_check(spec, cells, names, timeout=timeout, problems=problems, pickled=pickled)

@@ -283,7 +283,8 @@ def load(cells: list[tuple[str, str]], names: dict, builtins_table: dict) -> dic
     return {role: namespace.get(name) for role, name in names.items()}
 
 
-def from_notebook(nb) -> list[tuple[str, str]]:
-    """Return ``(label, source)`` for each code cell of an ``nbformat`` notebook."""
+def from_notebook(nb, before: int | None = None) -> list[tuple[str, str]]:
+    """Return ``(label, source)`` for each code cell of an ``nbformat`` notebook (before cell
+    index ``before``, if given)."""
     return [(f"<cell {i}>", cell.source) for i, cell in enumerate(nb.cells)
-            if cell.cell_type == "code"]
+            if cell.cell_type == "code" and (before is None or i < before)]
