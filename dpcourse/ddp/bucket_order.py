@@ -14,6 +14,10 @@ does not:
   forward it rebuilds the buckets in that order (once per training run);
   rank 0's order is broadcast so that every rank builds the same buckets.
 
+A wrapper builds its buckets with :func:`buckets_in_order` and, once, with
+:func:`rebuild_buckets` (its :class:`~dpcourse.ddp.reducer.Reducer` records the
+arrival order and says when).
+
 Reference: ``torch/csrc/distributed/c10d/reducer.cpp``
 (``compute_bucket_assignment_by_size``, ``Reducer::rebuild_buckets``).
 """
@@ -23,7 +27,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dpcourse.ddp.buckets import MiB, check_bucket_cap
+from dpcourse.ddp.buckets import Bucket, MiB, check_bucket_cap, make_buckets
+
+Where = dict[int, tuple[int, int]]  # parameter index -> (bucket, slot in it)
 
 
 def assign_buckets_in_order(params, order, bucket_cap_mb: float = 25.0,
@@ -83,3 +89,57 @@ def agree_on_order(order: list[int], num_params: int, device, group=None) -> lis
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast(t, src=src, group=group)
     return t.tolist()
+
+
+def buckets_in_order(named_params, bucket_cap_mb: float, order: list[int] | None = None, *,
+                     first_bucket_mb: float | None = None,
+                     gradient_as_bucket_view: bool = True) -> tuple[list[Bucket], Where]:
+    """Build a wrapper's buckets: in reverse registration order, or in ``order`` (a rebuild).
+
+    Args:
+        named_params: the trainable ``(name, parameter)`` pairs, registration order.
+        bucket_cap_mb: the cap of every bucket (see :func:`~dpcourse.ddp.buckets.assign_buckets`).
+        order: parameter indices in the order their gradients arrived; ``None``:
+            reverse registration order, the guess before any backward ran.
+        first_bucket_mb: the cap of the first bucket; ``None``: ``bucket_cap_mb``.
+        gradient_as_bucket_view: ``param.grad`` is a view into its bucket
+            (see :class:`~dpcourse.ddp.buckets.Bucket`).
+
+    Returns:
+        ``(buckets, where)``: the buckets in reduction order, and for each parameter
+        index ``(bucket index, position inside the bucket)``.
+    """
+    assignment = None   # lesson 05's assign_buckets: one cap, reverse registration order
+    if order is not None or first_bucket_mb is not None:
+        order = list(reversed(range(len(named_params)))) if order is None else order
+        assignment = assign_buckets_in_order([p for _, p in named_params], order, bucket_cap_mb,
+                                             first_bucket_mb)
+    return make_buckets(named_params, bucket_cap_mb, assignment, gradient_as_bucket_view)
+
+
+@torch.no_grad()
+def rebuild_buckets(named_params, arrival: list[int], device, group, bucket_cap_mb: float, *,
+                    first_bucket_mb: float | None = None,
+                    gradient_as_bucket_view: bool = True) -> tuple[list[Bucket], Where]:
+    """Build new buckets in rank 0's arrival order (one broadcast), keeping accumulated gradients.
+
+    Args:
+        named_params: the trainable ``(name, parameter)`` pairs, registration order.
+        arrival: the order this rank saw gradients arrive in its first synchronised backward.
+        device: device of the broadcast order (a GPU for NCCL).
+        group: process group (``None``: the default group).
+        bucket_cap_mb, first_bucket_mb, gradient_as_bucket_view: as :func:`buckets_in_order`.
+
+    Returns:
+        ``(buckets, where)``, as :func:`buckets_in_order`.
+    """
+    order = agree_on_order(arrival, len(named_params), device, group)
+    buckets, where = buckets_in_order(named_params, bucket_cap_mb, order,
+                                      first_bucket_mb=first_bucket_mb,
+                                      gradient_as_bucket_view=gradient_as_bucket_view)
+    if gradient_as_bucket_view:  # keep accumulated gradients, now in the new buckets
+        for bucket in buckets:
+            for k, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    bucket.attach_grad(k)
+    return buckets, where

@@ -12,7 +12,8 @@ use only that interface, so they run unchanged on :class:`GradBucket` here.
 
 With a hook registered the wrapper does NOT divide by the world size before
 calling it: the hook owns the whole reduction, as in torch's reducer
-(``torch/csrc/distributed/c10d/reducer.cpp``, ``run_comm_hook``).
+(``torch/csrc/distributed/c10d/reducer.cpp``, ``run_comm_hook``). A wrapper
+hands each of its buckets over with :func:`hand_to_hook`.
 
 Reference: https://pytorch.org/docs/stable/ddp_comm_hooks.html
 """
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.comm.averaging import divide_before_sum
+from dpcourse.ddp.buckets import Bucket
 
 
 class GradBucket:
@@ -191,3 +193,29 @@ def launch_comm_hook(hook, state, index: int, buffer: torch.Tensor, gradients, p
     """
     bucket = GradBucket(index, buffer, gradients, parameters, is_last)
     return HookWork(run_comm_hook(hook, state, bucket), bucket, buffer)
+
+
+def hand_to_hook(hook, state, bucket: Bucket, is_last: bool,
+                 group: dist.ProcessGroup | None) -> HookWork | None:
+    """Hand one of a wrapper's buckets to its registered hook, in place of divide and all-reduce.
+
+    Args:
+        hook: the registered hook, called as ``hook(state, bucket)``.
+        state: the hook's state.
+        bucket: the wrapper's :class:`~dpcourse.ddp.buckets.Bucket` (its buffer, views, params).
+        is_last: whether this is the last bucket reduced in the step.
+        group: the wrapper's process group (its backend decides when the work is finished).
+
+    Returns:
+        The pending :class:`HookWork`, or ``None`` when the bucket is already finished (gloo).
+    """
+    work = launch_comm_hook(hook, state, bucket.index, bucket.buffer, bucket.views,
+                            bucket.params, is_last)
+    # A hook may issue more collectives from its future's callbacks (PowerSGD does).
+    # NCCL runs those callbacks at once on this thread; gloo runs them later on its
+    # own thread, where they could interleave with the next bucket's collectives in a
+    # different order on each rank. There, finish each bucket before the next.
+    if dist.get_backend(group) != "nccl":
+        work.wait()
+        return None
+    return work

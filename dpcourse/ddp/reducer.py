@@ -8,14 +8,16 @@ four moments, and with its defaults every answer is the plain one):
 
 * **forward** (:meth:`Reducer.pre_forward`, :meth:`Reducer.post_forward`): under
   ``Join`` tell the joined ranks this rank still trains; copy the buffers from one
-  rank (``broadcast_buffers``); search the graph for unused parameters
-  (``find_unused_parameters``, ``static_graph``); rebuild the buckets once in the
-  order gradients arrived (``rebuild_buckets``);
+  rank (``broadcast_buffers``; both in :mod:`~dpcourse.ddp.pre_forward`); search
+  the graph for unused parameters (``find_unused_parameters``, ``static_graph``:
+  :mod:`~dpcourse.ddp.unused`); rebuild the buckets once in the order gradients
+  arrived (``rebuild_buckets``: :mod:`~dpcourse.ddp.bucket_order`);
 * **a gradient arrives** (:meth:`Reducer.note_used`, :meth:`Reducer.note_ready`):
   note it as used, and its arrival order;
 * **a bucket is reduced** (:meth:`Reducer.reduce_hook`, :meth:`Reducer.divisor`): a
-  registered communication hook owns the reduction (``register_comm_hook``); under
-  ``Join`` the sum may be divided by the ranks that still have data;
+  registered communication hook owns the reduction (``register_comm_hook``:
+  :mod:`~dpcourse.ddp.comm_hooks`); under ``Join`` the sum may be divided by the
+  ranks that still have data (:class:`~dpcourse.ddp.join.JoinDivisor`);
 * **synchronisation** (:meth:`Reducer.synchronizing`): every parameter must have a
   gradient; parameters nobody used get their ``None`` gradient back.
 
@@ -31,22 +33,21 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
 from dpcourse.comm.collective import AllReduce, sum_over_ranks
-from dpcourse.ddp import guards
-from dpcourse.ddp.broadcast import group_src
-from dpcourse.ddp.bucket_order import agree_on_order, assign_buckets_in_order
-from dpcourse.ddp.buckets import Bucket, check_bucket_cap, make_buckets, views_into
-from dpcourse.ddp.comm_hooks import HookWork, check_comm_hook, launch_comm_hook
-from dpcourse.ddp.join import WrapperJoinHook, find_common_rank
+from dpcourse.ddp import bucket_order, guards
+from dpcourse.ddp.bucket_order import Where
+from dpcourse.ddp.buckets import Bucket, check_bucket_cap
+from dpcourse.ddp.comm_hooks import HookWork, check_comm_hook, hand_to_hook
+from dpcourse.ddp.join import JoinDivisor, WrapperJoinHook, find_common_rank
+from dpcourse.ddp.pre_forward import all_reduce_sync_flag, sync_buffers
 from dpcourse.ddp.unused import UnusedParameters
 
 __all__ = ["Reducer"]
@@ -109,40 +110,28 @@ class Reducer:
         self.rebuild_pending = bool(rebuild_buckets) and (static_graph or
                                                           not find_unused_parameters)
         self.arrival: list[int] = []
-        self.divide_by_initial_world_size = True
-        self._join_work = None     # this step's "I have not joined" all-reduce
-        self._join_divisor: int | None = None
+        self.join_divisor = JoinDivisor(self.world_size)
 
     @property
     def _wrapper(self) -> Any:
         return self._ref()
 
     # -- buckets ---------------------------------------------------------------
-    def make_buckets(self, order: list[int] | None = None
-                     ) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+    def make_buckets(self, order: list[int] | None = None) -> tuple[list[Bucket], Where]:
         """Build the wrapper's buckets: reverse registration order, or ``order`` (a rebuild)."""
-        named, bucket_cap_mb = self.named_params, self.bucket_cap_mb
-        assert bucket_cap_mb is not None, "a bucketed wrapper passes bucket_cap_mb"
-        assignment = None
-        if order is not None or self.first_bucket_mb is not None:
-            order = list(reversed(range(len(named)))) if order is None else order
-            assignment = assign_buckets_in_order([p for _, p in named], order, bucket_cap_mb,
-                                                 self.first_bucket_mb)
-        return make_buckets(named, bucket_cap_mb, assignment, self.gradient_as_bucket_view)
+        assert self.bucket_cap_mb is not None, "a bucketed wrapper passes bucket_cap_mb"
+        return bucket_order.buckets_in_order(self.named_params, self.bucket_cap_mb, order,
+                                             first_bucket_mb=self.first_bucket_mb,
+                                             gradient_as_bucket_view=self.gradient_as_bucket_view)
 
-    @torch.no_grad()
-    def rebuild(self) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+    def rebuild(self) -> tuple[list[Bucket], Where]:
         """New buckets in rank 0's arrival order of the first synchronised backward."""
+        assert self.bucket_cap_mb is not None, "a bucketed wrapper passes bucket_cap_mb"
         self.rebuild_pending = False
-        order = agree_on_order(self.arrival, len(self.named_params), self.device,
-                               self.group)
-        buckets, where = self.make_buckets(order)
-        if self.gradient_as_bucket_view:  # keep accumulated gradients, now in the new buckets
-            for bucket in buckets:
-                for k, p in enumerate(bucket.params):
-                    if p.grad is not None:
-                        bucket.attach_grad(k)
-        return buckets, where
+        return bucket_order.rebuild_buckets(self.named_params, self.arrival, self.device,
+                                            self.group, self.bucket_cap_mb,
+                                            first_bucket_mb=self.first_bucket_mb,
+                                            gradient_as_bucket_view=self.gradient_as_bucket_view)
 
     # -- forward -----------------------------------------------------------------
     def pre_forward(self) -> bool:
@@ -155,20 +144,14 @@ class Reducer:
         """
         w = self._wrapper
         guards.check_forward(w)
-        self._join_work = Join.notify_join_context(w)   # no-op outside Join
-        self._join_divisor = None
-        buffers = list(w.module.buffers())
-        if self.broadcast_buffers_next and self.broadcast_buffers and buffers:
+        self.join_divisor.notify(w)   # "I have not joined"; no-op outside Join
+        if self.buffers_due():
             src = 0   # rank 0 may have joined with stale buffers: then one still training
             if w._join_config.enable:
                 src = find_common_rank(self.group, self.device, True)
-            with torch.no_grad():
-                for b in buffers:
-                    dist.broadcast(b, src=group_src(self.group, src), group=self.group)
+            sync_buffers(w.module, src, self.group)
         if w._join_config.enable:  # tell joined ranks whether this backward reduces
-            flag = torch.tensor([1.0 if w.require_backward_grad_sync else 0.0],
-                                device=self.device)
-            dist.all_reduce(flag, group=self.group)
+            all_reduce_sync_flag(w.require_backward_grad_sync, self.device, self.group)
         if not torch.is_grad_enabled():
             self.broadcast_buffers_next = False
             return w._sync_this_backward
@@ -177,13 +160,18 @@ class Reducer:
         w._forward_pending = w.require_backward_grad_sync  # see guards.check_backward_start
         return w.require_backward_grad_sync
 
+    def buffers_due(self) -> bool:
+        """Whether this step's forward copies the buffers of one rank to every rank."""
+        return (self.broadcast_buffers_next and self.broadcast_buffers
+                and any(True for _ in self._wrapper.module.buffers()))
+
     def post_forward(self, output: Any, syncs: bool) -> Any:
         """Find the parameters the forward did not use (only when asked to, as torch); return ``output``."""
         if torch.is_grad_enabled():
             self.unused.after_forward(output, syncs)
         return output
 
-    # -- backward ------------------------------------------------------------------
+    # -- a gradient arrives --------------------------------------------------------
     @property
     def unused_at_forward(self) -> list[int]:
         """Parameters the last forward did not use: their (zero) slots are ready at once."""
@@ -198,34 +186,29 @@ class Reducer:
         if self.rebuild_pending:
             self.arrival.append(index)
 
+    # -- a bucket is reduced -------------------------------------------------------
     def divisor(self) -> int:
         """What the summed gradients are divided by: the world size, or the ranks with data."""
-        if self._join_work is not None and not self.divide_by_initial_world_size:
-            work, self._join_work = self._join_work, None
-            # Its result: how many ranks announced that they still have data.
-            self._join_divisor = int(work.get_future().wait()[0].item())
-        return self._join_divisor or self.world_size
+        return self.join_divisor()
 
     def reduce_hook(self):
         """What ``Bucket.launch`` calls instead of dividing and all-reducing, if anything."""
         return None if self.comm_hook is None else self._hand_to_comm_hook
 
     def _hand_to_comm_hook(self, bucket: Bucket) -> HookWork | None:
-        work = launch_comm_hook(self.comm_hook, self.comm_hook_state, bucket.index,
-                                bucket.buffer, bucket.views, bucket.params,
-                                bucket.index == self._last_bucket_index())
-        # A hook may issue more collectives from its future's callbacks (PowerSGD does).
-        # NCCL runs those callbacks at once on this thread; gloo runs them later on its
-        # own thread, where they could interleave with the next bucket's collectives in a
-        # different order on each rank. There, finish each bucket before the next.
-        if dist.get_backend(self.group) != "nccl":
-            work.wait()
-            return None
-        return work
+        buckets = getattr(self._wrapper, "buckets", None)  # DataParallelNaive: one per parameter
+        last = len(buckets if buckets is not None else self.named_params) - 1
+        return hand_to_hook(self.comm_hook, self.comm_hook_state, bucket, bucket.index == last,
+                            self.group)
 
-    def _last_bucket_index(self) -> int:
-        buckets = getattr(self._wrapper, "buckets", None)
-        return len(buckets if buckets is not None else self.named_params) - 1
+    def register_comm_hook(self, state: Any, hook) -> None:
+        """See :meth:`dpcourse.ddp.DataParallelOverlapped.register_comm_hook`."""
+        if self.comm_hook is not None:
+            raise RuntimeError("a communication hook is already registered on this wrapper; "
+                               "it can be registered only once (as in torch DDP). Wrap the "
+                               "module in a new wrapper to use another hook.")
+        check_comm_hook(hook)
+        self.comm_hook, self.comm_hook_state = hook, state
 
     # -- synchronisation -----------------------------------------------------------
     @contextlib.contextmanager
@@ -266,15 +249,6 @@ class Reducer:
             finally:
                 self.unused.clear()
 
-    def register_comm_hook(self, state: Any, hook) -> None:
-        """See :meth:`dpcourse.ddp.DataParallelOverlapped.register_comm_hook`."""
-        if self.comm_hook is not None:
-            raise RuntimeError("a communication hook is already registered on this wrapper; "
-                               "it can be registered only once (as in torch DDP). Wrap the "
-                               "module in a new wrapper to use another hook.")
-        check_comm_hook(hook)
-        self.comm_hook, self.comm_hook_state = hook, state
-
     # -- Join ----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -284,24 +258,3 @@ class Reducer:
     def join_hook(self, **kwargs) -> JoinHook:
         """The hook ``Join`` calls once this rank has run out of data (see :mod:`~dpcourse.ddp.join`)."""
         return WrapperJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @torch.no_grad()
-    def shadow_reduce(self) -> None:
-        """Issue the gradient collectives of one synchronised backward, on zeros."""
-        buckets = getattr(self._wrapper, "buckets", None)
-        if buckets is None:   # one all-reduce per parameter, as DataParallelNaive
-            params = [p for _, p in self.named_params]
-            flat = [torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params]
-            buckets = [Bucket(i, [i], [""], [p], f, [f.view(p.shape)])
-                       for i, (p, f) in enumerate(zip(params, flat))]
-        works = []
-        for bucket in buckets:
-            zeros = torch.zeros_like(bucket.buffer)
-            if self.comm_hook is None:
-                works.append(self.all_reduce(zeros, async_op=True))
-            else:
-                works.append(self._hand_to_comm_hook(
-                    replace(bucket, buffer=zeros, views=views_into(zeros, bucket.params))))
-        for work in works:
-            if work is not None:
-                work.wait()
