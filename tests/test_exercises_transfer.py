@@ -212,13 +212,14 @@ def test_halving_doubling_solution_passes_every_criterion(solution):
 
 def test_ring_is_right_but_fails_log_rounds():
     result = check("halving_doubling", transfer_bugs.all_reduce_ring, quiet=True)
-    assert set(result.failed()) == {"log_rounds"}
+    # on 3 and 5 ranks its bytes per rank are the ring's, not the fold's
+    assert set(result.failed()) == {"log_rounds", "bytes_other_sizes"}
     assert "messages, at most" in result.criterion("log_rounds").detail
 
 
 def test_whole_tensor_swaps_fail_only_the_byte_criteria():
     result = check("halving_doubling", transfer_bugs.all_reduce_whole_tensor_swaps, quiet=True)
-    assert set(result.failed()) == {"bandwidth_power_of_two", "bounded_bytes_other_sizes"}
+    assert set(result.failed()) == {"bandwidth_power_of_two", "bytes_other_sizes"}
 
 
 # -- 05: torch's small first bucket ---------------------------------------------------------

@@ -105,9 +105,9 @@ def mark_first_layer(link, layer: nn.Module) -> None:
     layer.register_forward_hook(mark)
 
 
-def _instrument(link, model, wrapped) -> None:
+def _instrument(link, first_layer: nn.Module, wrapped) -> None:
     """Mark when backward reaches the first layer, when finish runs, and no_sync's window."""
-    mark_first_layer(link, model[0])
+    mark_first_layer(link, first_layer)
     finish = getattr(wrapped, "finish_gradient_synchronization", None)
     if callable(finish):
         def marked_finish(*args, **kwargs):
@@ -127,16 +127,22 @@ def _instrument(link, model, wrapped) -> None:
         object.__setattr__(wrapped, "no_sync", marked_no_sync)
 
 
-def rank_train(link, learner: dict, inputs: dict) -> dict:
-    """Construct the learner's wrapper and train it; return what each step left behind."""
+def rank_train(link, learner: dict, inputs: dict, model_fn=make_model,
+               first_layer=lambda model: model[0]) -> dict:
+    """Construct the learner's wrapper and train it; return what each step left behind.
+
+    Args:
+        model_fn: ``model_fn(seed)`` builds the check's model.
+        first_layer: the layer backward reaches last, in a model ``model_fn`` built.
+    """
     cls, train_step = learner["main"], learner.get("train_step") or default_step
     out = {"runs": []}
     for i, kwargs in enumerate(inputs["runs"]):
-        model = make_model(inputs["seed"])
+        model = model_fn(inputs["seed"])
         begin(link, f"run {i}: construction")
         wrapped = cls(model, **kwargs)
         init = [p.detach().clone() for p in model.parameters()]
-        _instrument(link, model, wrapped)
+        _instrument(link, first_layer(model), wrapped)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         run = {"init": init, "grads": [], "params": []}
         for step, micro in enumerate(inputs["batches"]):
@@ -169,20 +175,28 @@ def first_mismatch(names, got, want, tol, what: str = "") -> str:
     return ""
 
 
-def judge_training(ws, inputs, outputs, events, grads_crit=C_AVERAGED.name, run=0) -> list:
-    """Records for initial_broadcast, the gradient, matches_torch_ddp, matches_single_process."""
+def judge_training(ws, inputs, outputs, events, run=0, model_fn=make_model,
+                   case="") -> list:
+    """Records of initial_broadcast, grads_averaged, matches_torch_ddp, matches_single_process.
+
+    Args:
+        run: which of :func:`rank_train`'s runs to judge.
+        model_fn: the model it trained.
+        case: the records' case (e.g. the run's bucket cap).
+    """
     from dpcourse.grading import oracles
 
     batches = [[inputs[r]["batches"][s] for r in range(ws)] for s in range(STEPS)]
-    ref = oracles.train_reference(make_model, inputs[0]["seed"], batches, LR)
-    names = [n for n, _ in make_model(0).named_parameters()]
+    ref = oracles.train_reference(model_fn, inputs[0]["seed"], batches, LR)
+    names = [n for n, _ in model_fn(0).named_parameters()]
     tol_ddp, tol_one = tolerance("gloo", torch.float32, "vs_ddp"), \
         tolerance("gloo", torch.float32, "vs_single")
     recs = []
     for r in range(ws):
         out = outputs[r]["runs"][run]
         bad = first_mismatch(names, out["init"], ref["init"], (0, 0))
-        recs.append(CaseVerdict(C_BROADCAST.name, not bad, f"rank {r}, {bad}" if bad else ""))
+        recs.append(CaseVerdict(C_BROADCAST.name, not bad, f"rank {r}, {bad}" if bad else "",
+                                case))
         earlier_ok = True
         for step in range(STEPS):
             bad = first_mismatch(names, out["grads"][step], ref["ddp"]["grads"][step], tol_ddp,
@@ -195,14 +209,14 @@ def judge_training(ws, inputs, outputs, events, grads_crit=C_AVERAGED.name, run=
             elif bad and step and earlier_ok:
                 detail += f" ({LATER_STEP})"
             earlier_ok = earlier_ok and not bad
-            recs.append(CaseVerdict(grads_crit, not bad, detail))
+            recs.append(CaseVerdict(C_AVERAGED.name, not bad, detail, case))
         for step in range(STEPS):
             bad = first_mismatch(names, out["params"][step], ref["ddp"]["params"][step], tol_ddp)
             recs.append(CaseVerdict(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad}"
-                               if bad else ""))
+                                    if bad else "", case))
         bad = first_mismatch(names, out["params"][-1], ref["single"]["params"][-1], tol_one)
         recs.append(CaseVerdict(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, {bad}"
-                           if bad else ""))
+                                if bad else "", case))
     return recs
 
 

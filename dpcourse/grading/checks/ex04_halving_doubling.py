@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dpcourse.grading.checks.base import CaseVerdict, Exercise, events_of
-from dpcourse.grading.checks.ex04_ring import MATCH, NOTES, case_inputs, run_cases
+from dpcourse.grading.checks.ex04_ring import MATCH, NOTES, awkward_cases, case_inputs, run_cases
 from dpcourse.grading.criteria import (Criterion, mismatch, no_deadlock, no_delegation,
                                        tolerance)
 from dpcourse.grading.shim import P2P
@@ -29,9 +29,7 @@ def _shapes(ws: int, rng) -> list[tuple[str, tuple, str]]:
     even = 8 * ws * rng.randrange(2, 9)  # halves divide it evenly down to single chunks
     cases = [(MATCH, (even,), "float32"), (MATCH, (4 * ws, 8), "float32"),
              (MATCH, (even,), "float64"), (MATCH, (even,), "bfloat16")]
-    odd = rng.randrange(100, 2000) * 2 + 1
-    return cases + [("awkward_lengths", s, "float32")
-                    for s in ((0,), (1,), (max(ws - 1, 1),), (2 * ws + 1,), (odd,))]
+    return cases + awkward_cases(ws, rng.randrange(100, 2000) * 2 + 1)
 
 
 def _bytes_verdict(ws: int, sent: list[int], nbytes: int, crit: str, case: str) -> CaseVerdict:

@@ -35,9 +35,13 @@ def _shapes(ws: int, rng) -> list[tuple[str, tuple, str]]:
     regular = [(MATCH, (ws,), "float32"), (MATCH, (8 * ws,), "float32"),
                (MATCH, (2 * ws, 3), "float32"), (MATCH, (rng.randrange(256, 1024) * ws,), "float32"),
                (MATCH, (4 * ws,), "float64"), (MATCH, (6 * ws,), "bfloat16")]
-    awkward = [("awkward_lengths", s, "float32")
-               for s in ((0,), (1,), (max(ws - 1, 1),), (2 * ws + 1,), (odd,))]
-    return regular + awkward
+    return regular + awkward_cases(ws, odd)
+
+
+def awkward_cases(ws: int, odd: int) -> list[tuple[str, tuple, str]]:
+    """Lengths 0, 1, N - 1, 2 N + 1 and ``odd``, each once: a case's name finds its messages."""
+    lengths = dict.fromkeys((0, 1, max(ws - 1, 1), 2 * ws + 1, odd))
+    return [("awkward_lengths", (n,), "float32") for n in lengths]
 
 
 def case_inputs(shapes, rng, world_size: int) -> list[dict]:

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict, begin, follow_causes
-from dpcourse.grading.checks.ex06_overlap import carried_over, mark_carried, reset_cause
-from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
+from dpcourse.grading.checks.base import CaseVerdict, follow_causes
+from dpcourse.grading.checks.ex06_overlap import cap_case, cause, judge_buckets
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 
 CAPS = (700 / d.MIB, 0.0)
 
@@ -50,6 +50,11 @@ def arrival_order() -> list[int]:
     x, y = torch.randn(d.BATCH, d.IN), torch.randn(d.BATCH, d.OUT)
     nn.functional.mse_loss(model(x), y).backward()
     return order
+
+
+def rank_train(link, learner, inputs) -> dict:
+    """Train the learner's wrapper of the permuted model (see :func:`ddp_common.rank_train`)."""
+    return d.rank_train(link, learner, inputs, make_model, lambda model: model.inp)
 
 
 class ArrivalOrderDDP(d.DDPExercise):
@@ -84,60 +89,25 @@ class ArrivalOrderDDP(d.DDPExercise):
     )
     runs = tuple({"bucket_cap_mb": cap} for cap in CAPS)
 
-    @staticmethod
-    def rank_run(link, learner, inputs):
-        cls, out = learner["main"], {"runs": []}
-        for i, kwargs in enumerate(inputs["runs"]):
-            model = make_model(inputs["seed"])
-            begin(link, f"run {i}: construction")
-            wrapped = cls(model, **kwargs)
-            d.mark_first_layer(link, model.inp)
-            optimizer = torch.optim.SGD(model.parameters(), lr=d.LR)
-            run = {"params": []}
-            for step, micro in enumerate(inputs["batches"]):
-                begin(link, f"run {i}: step {step}")
-                d.default_step(wrapped, optimizer, micro, nn.functional.mse_loss)
-                run["params"].append([p.detach().clone() for p in model.parameters()])
-            out["runs"].append(run)
-        return out
+    rank_run = staticmethod(rank_train)
 
     def judge(self, ws, inputs, outputs, events):
         from dpcourse.grading import oracles
 
-        batches = [[inputs[r]["batches"][s] for r in range(ws)] for s in range(d.STEPS)]
-        ref = oracles.train_reference(make_model, inputs[0]["seed"], batches, d.LR)
-        names = [n for n, _ in make_model(0).named_parameters()]
+        recs = [rec for i, cap in enumerate(CAPS)
+                for rec in d.judge_training(ws, inputs, outputs, events, i, make_model,
+                                            cap_case(cap))
+                if rec.criterion in (d.C_DDP.name, d.C_SINGLE.name)]
         nbytes = [p.numel() * p.element_size() for p in make_model(0).parameters()]
-        order = arrival_order()
-        tol_ddp, tol_one = (tolerance("gloo", torch.float32, k) for k in ("vs_ddp", "vs_single"))
-        recs = []
-        for i, cap in enumerate(CAPS):
-            want = [sum(nbytes[j] for j in b)
-                    for b in oracles.close_by_caps(order, nbytes, [cap * d.MIB])]
-            for r in range(ws):
-                case = f"bucket_cap_mb={cap:g} ({cap * d.MIB:g} bytes), rank {r}"
-                run = outputs[r]["runs"][i]
-                for step in range(d.STEPS):
-                    bad = d.first_mismatch(names, run["params"][step], ref["ddp"]["params"][step],
-                                           tol_ddp)
-                    recs.append(CaseVerdict("matches_torch_ddp", not bad, f"after step {step}, {bad}"
-                                       if bad else "", case))
-                bad = d.first_mismatch(names, run["params"][-1], ref["single"]["params"][-1],
-                                       tol_one)
-                recs.append(CaseVerdict("matches_single_process", not bad, bad, case))
-                sizes, mine = {}, []
-                for step in range(1, d.STEPS):
-                    got, overlap = d.overlap_records(d.step_events(events[r], i, step),
-                                                     f"{case}, step {step}")
-                    sizes[step] = got
-                    mine.append(CaseVerdict("buckets_follow_arrival", got == want, f"all-reduce "
-                                       f"sizes in issue order {got} bytes, the arrival order's "
-                                       f"buckets are {want}", f"{case}, step {step}"))
-                    mine += overlap
-                found = carried_over(sizes, want)
-                if found:  # step 0 only learns the order: the first bucketed step is step 1
-                    mark_carried(mine, case, *found)
-                    mark_carried([x for x in recs if x.case == case], case, *found)
-                recs += mine
-        follow_causes(self, recs, reset_cause)
+        wants = [(cap, [sum(nbytes[j] for j in b)
+                        for b in oracles.close_by_caps(arrival_order(), nbytes, [cap * d.MIB])])
+                 for cap in CAPS]
+        # step 0 only learns the order: the first bucketed step is step 1
+        recs += judge_buckets(ws, events, wants, 1, _structure, recs)
+        follow_causes(self, recs, cause)
         return recs
+
+
+def _structure(got: list, want: list, case: str) -> list[CaseVerdict]:
+    return [CaseVerdict("buckets_follow_arrival", got == want, f"all-reduce sizes in issue "
+                        f"order {got} bytes, the arrival order's buckets are {want}", case)]

@@ -38,9 +38,42 @@ def mark_carried(recs: list, where: str, good: int, bad: int) -> None:
             rec.detail += note
 
 
-def reset_cause(rec: CaseVerdict) -> str:
-    """The reset hint for a record that :func:`mark_carried` marked."""
-    return RESET_HINT if CARRIED in rec.detail else ""
+def cause(rec: CaseVerdict) -> str:
+    """The reset hint for a record :func:`mark_carried` marked, else a later step's own."""
+    return RESET_HINT if CARRIED in rec.detail else d.later_step_cause(rec)
+
+
+def cap_case(cap: float) -> str:
+    return f"bucket_cap_mb={cap:g} ({cap * d.MIB:g} bytes)"
+
+
+def judge_buckets(ws: int, events: list, wants: list, first_step: int, structure,
+                  training: list) -> list[CaseVerdict]:
+    """Judge the all-reduces of every rank's steps from ``first_step`` on, in every run.
+
+    When the first judged step issued the right all-reduces and a later one did not, the
+    failing records of that rank from then on (``training``'s of the same run too) say so.
+
+    Args:
+        wants: per run, ``(bucket_cap_mb, the all-reduce sizes every step must issue)``.
+        structure: ``structure(got, want, case)``: the records of one step's sizes ``got``.
+        training: the records of :func:`~ddp_common.judge_training`, cased by ``cap_case``.
+    """
+    recs = []
+    for i, (cap, want) in enumerate(wants):
+        for r in range(ws):
+            sizes, mine = {}, []
+            for step in range(first_step, d.STEPS):
+                case = f"{cap_case(cap)}, rank {r}, step {step}"
+                sizes[step], overlap = d.overlap_records(d.step_events(events[r], i, step), case)
+                mine += structure(sizes[step], want, case) + overlap
+            found = carried_over(sizes, want)
+            if found:
+                mark_carried(mine, f"rank {r}", *found)
+                mark_carried([t for t in training if t.case == cap_case(cap)], f"rank {r},",
+                             *found)
+            recs += mine
+    return recs
 
 
 class OverlappedDDP(d.DDPExercise):
@@ -79,31 +112,17 @@ class OverlappedDDP(d.DDPExercise):
     def judge(self, ws, inputs, outputs, events):
         from dpcourse.grading import oracles
 
-        recs = d.judge_training(ws, inputs, outputs, events)
+        recs = d.judge_training(ws, inputs, outputs, events, case=cap_case(CAPS[0]))
         nbytes = d.param_bytes()
-        for i, cap in enumerate(CAPS):
-            want = [sum(nbytes[j] for j in b) for b in oracles.buckets(nbytes, cap)]
-            for r in range(ws):
-                sizes, mine = {}, []
-                for step in range(d.STEPS):
-                    case = f"bucket_cap_mb={cap:g} ({cap * d.MIB:g} bytes), rank {r}, step {step}"
-                    sizes[step], structure = self._structure(d.step_events(events[r], i, step),
-                                                             want, case)
-                    mine += structure
-                found = carried_over(sizes, want)
-                if found:
-                    mark_carried(mine, f"rank {r}", *found)
-                    if i == 0:  # judge_training judges the first run's steps
-                        mark_carried(recs, f"rank {r},", *found)
-                recs += mine
-        follow_causes(self, recs, lambda rec: reset_cause(rec) or d.later_step_cause(rec))
+        wants = [(cap, [sum(nbytes[j] for j in b) for b in oracles.buckets(nbytes, cap)])
+                 for cap in CAPS]
+        recs += judge_buckets(ws, events, wants, 0, _structure, recs)
+        follow_causes(self, recs, cause)
         return recs
 
-    @staticmethod
-    def _structure(events, want, case) -> tuple[list, list]:
-        got, overlap = d.overlap_records(events, case)
-        return got, [CaseVerdict("one_all_reduce_per_bucket", len(got) == len(want),
-                            f"{len(got)} all-reduces, expected {len(want)} buckets", case),
-                     CaseVerdict("buckets_in_reverse_order", got == want,
-                            f"all-reduce sizes in issue order {got} bytes, expected {want}", case),
-                     *overlap]
+
+def _structure(got: list, want: list, case: str) -> list[CaseVerdict]:
+    return [CaseVerdict("one_all_reduce_per_bucket", len(got) == len(want),
+                        f"{len(got)} all-reduces, expected {len(want)} buckets", case),
+            CaseVerdict("buckets_in_reverse_order", got == want,
+                        f"all-reduce sizes in issue order {got} bytes, expected {want}", case)]
