@@ -10,7 +10,8 @@ from dpcourse.comm.sharding import chunk_size, shard_range
 from dpcourse.zero.collectives import all_gather, reduce_scatter, trace_wire_bytes, wire_bytes
 from dpcourse.zero.memory import (gradient_bytes, optimizer_state_bytes, tensor_bytes,
                                   zero_bytes_per_rank)
-from dpcourse.zero.optimizer import GRADIENT_MODES, ShardedOptimizer
+from dpcourse.zero.gradients import GRADIENT_MODES
+from dpcourse.zero.optimizer import ShardedOptimizer
 
 __all__ = ["ShardedOptimizer", "GRADIENT_MODES", "all_gather", "reduce_scatter", "wire_bytes",
            "trace_wire_bytes", "chunk_size", "shard_range", "optimizer_state_bytes",

@@ -31,8 +31,8 @@ def gradient_bytes(params, optimizer: Optimizer | None = None) -> int:
         optimizer: a :class:`~dpcourse.zero.ShardedOptimizer` holding gradient shards, or None.
     """
     full = tensor_bytes(p.grad for p in params)
-    rows = getattr(optimizer, "_grad_rows", None) or []
-    return full + tensor_bytes(rows)
+    grad_shards = getattr(optimizer, "grad_shards", None)  # a ShardedOptimizer's
+    return full + tensor_bytes(grad_shards.rows if grad_shards is not None else [])
 
 
 def zero_bytes_per_rank(n_params: float, world_size: int, stage: int, *,

@@ -7,22 +7,10 @@ parameter). ZeRO stage 1 (Rajbhandari et al., 2020) lets rank ``r`` keep state
 for and step only its shard of each parameter (:mod:`dpcourse.zero.layout`),
 then all-gathers the updated shards so every rank holds the full new weights.
 
-Where the averaged gradient comes from is the ``gradients=`` argument:
-
-* ``"averaged"`` (ZeRO-1 over DDP): a data-parallel wrapper (ours or torch's)
-  has already all-reduced ``param.grad``. The step reads this rank's slice of
-  it. Per step: an all-reduce plus an all-gather, 1.5x DDP's bytes.
-* ``"reduce_scatter"`` (ZeRO-1): the model is NOT wrapped; ``param.grad`` holds
-  this rank's local gradient and ``step()`` reduce-scatters it bucket by
-  bucket, so each rank receives the sum of only its shard. A reduce-scatter
-  plus an all-gather is exactly what an all-reduce is made of: the same bytes
-  as DDP. Full-size gradients stay in memory (free gradient accumulation).
-* ``"sharded"`` (ZeRO-2): as ``"reduce_scatter"``, but each bucket is
-  reduce-scattered from a backward hook as soon as its gradients are complete
-  (overlapping backward: lesson 06's :class:`~dpcourse.ddp.rounds.BucketRound`
-  with a reduce-scatter in place of the all-reduce), its full gradients are
-  freed (``param.grad = None``), and only this rank's gradient shard is kept and
-  accumulated. Gradient memory per rank falls to ~1/N; same bytes as DDP.
+Where this rank's averaged gradient shard comes from is the ``gradients=``
+argument: ``"averaged"`` (behind a DDP wrapper), ``"reduce_scatter"`` (ZeRO-1) or
+``"sharded"`` (ZeRO-2, reduce-scattered during backward), made by
+:class:`~dpcourse.zero.gradients.GradientShards`.
 
 Checkpoints (the state gathered on one rank as a plain optimizer's, loaded on
 any number of ranks) are made by :mod:`dpcourse.zero.checkpoint`.
@@ -40,16 +28,15 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from dpcourse.comm.averaging import divide_before_sum
 from dpcourse.comm.sharding import shard_range
 from dpcourse.ddp.buckets import check_bucket_cap
 from dpcourse.ddp.guards import check_same_model
-from dpcourse.ddp.rounds import BucketRound
 from dpcourse.zero import checkpoint
-from dpcourse.zero.collectives import all_gather, reduce_scatter
+from dpcourse.zero.collectives import all_gather
+from dpcourse.zero.gradients import GRADIENT_MODES, GradientShards
 from dpcourse.zero.layout import ShardBucket, make_shard_buckets
 
-GRADIENT_MODES = ("averaged", "reduce_scatter", "sharded")
+__all__ = ["ShardedOptimizer"]
 
 
 def _check_setup(optimizer_cls, gradients: str) -> None:
@@ -74,7 +61,8 @@ class ShardedOptimizer(Optimizer):
             Frozen parameters (``requires_grad=False``) are kept out of sharding.
         optimizer_cls: an element-wise torch optimizer class (SGD, Adam, AdamW).
         group: process group (``None``: the default group).
-        gradients: ``"averaged"``, ``"reduce_scatter"`` or ``"sharded"`` (module docstring).
+        gradients: ``"averaged"``, ``"reduce_scatter"`` or ``"sharded"``
+            (:mod:`dpcourse.zero.gradients`).
         bucket_cap_mb: gradient MiB per reduce-scatter / all-gather (0: one per parameter).
         **defaults: the optimizer's hyperparameters (``lr=...``, ``momentum=...``).
 
@@ -83,6 +71,8 @@ class ShardedOptimizer(Optimizer):
             the optimizer state this rank holds).
         shards: this rank's shard of each trainable parameter: a 1-D view into it.
         buckets: the :class:`~dpcourse.zero.layout.ShardBucket` list.
+        grad_shards: the :class:`~dpcourse.zero.gradients.GradientShards` that give
+            ``shards`` their gradients.
     """
 
     def __init__(self, params, optimizer_cls, *, group=None, gradients: str = "averaged",
@@ -108,8 +98,6 @@ class ShardedOptimizer(Optimizer):
             lo, hi = shard_range(p.numel(), self.world_size, self.rank)
             self.shards.append(p.detach().view(-1)[lo:hi])  # a view: the step updates p in place
         self.buckets: list[ShardBucket] = make_shard_buckets(self._params, self.world_size, cap)
-        self._where = {i: (b, k) for b, bucket in enumerate(self.buckets)
-                       for k, i in enumerate(bucket.indices)}
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
                          "params": [self.shards[index[id(p)]] for p in g["params"]
                                     if id(p) in index]} for g in self.param_groups]
@@ -118,16 +106,10 @@ class ShardedOptimizer(Optimizer):
             for k, v in inner.items():  # the inner class's defaults, visible to schedulers
                 if k != "params":
                     outer.setdefault(k, v)
-        self._grad_rows: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.grad_shards = GradientShards(self._params, self.shards, self.buckets, gradients,
+                                          group)  # "sharded": its backward hooks from here on
         self._steps = 0
         self._consolidated: checkpoint.Consolidated | None = None
-        self._hooks: list = []
-        if gradients == "sharded":
-            self._round = BucketRound([len(b.params) for b in self.buckets], self._launch_async,
-                                      on_backward_end=self._backward_end,
-                                      finish=self._finish_bucket)
-            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(self._where[i][0]))
-                           for i, p in enumerate(self._params)]
 
     def _trainable(self) -> list[torch.Tensor]:
         params, seen = [], set()
@@ -159,64 +141,6 @@ class ShardedOptimizer(Optimizer):
                     names.append(given[i] if given else f"param_groups[{g}]['params'][{i}]")
         return list(zip(names, self._params))
 
-    # -- gradients -------------------------------------------------------------
-    def _launch(self, b: int, async_op: bool):
-        """Reduce-scatter bucket ``b``'s full gradients; return ``(work, out, matrix)``."""
-        bucket = self.buckets[b]
-        matrix = bucket.new_matrix(self.world_size)
-        bucket.pack(matrix, [p.grad for p in bucket.params])
-        if self.gradients == "sharded":
-            for p in bucket.params:
-                p.grad = None  # ZeRO-2: the full gradient is not kept
-        # Divide before summing, as DDP does (why: dpcourse.comm.averaging).
-        divide_before_sum(matrix, self.world_size)
-        out = torch.empty(bucket.row, dtype=matrix.dtype, device=matrix.device)
-        work = reduce_scatter(out, matrix.view(-1), group=self.process_group, async_op=async_op)
-        return work, out, matrix
-
-    def _accumulate(self, b: int, out: torch.Tensor) -> None:
-        acc = self._grad_rows[b]
-        self._grad_rows[b] = out if acc is None else acc.add_(out)
-
-    # ZeRO-2: lesson 06's round of buckets, with a reduce-scatter in place of the all-reduce.
-    def _make_hook(self, b: int):
-        def hook(param):
-            self._round.start()   # the first gradient of a backward: _backward_end at its end
-            self._round.ready(b)  # bucket b's last gradient: reduce-scatter it, in bucket order
-        return hook
-
-    def _launch_async(self, b: int):
-        return self._launch(b, async_op=True)
-
-    @torch.no_grad()
-    def _finish_bucket(self, b: int, handle) -> None:
-        work, out, _matrix = handle
-        work.wait()  # bucket b's reduce_scatter, launched with async_op=True
-        self._accumulate(b, out)  # the full-size matrix is released here
-
-    @torch.no_grad()
-    def _backward_end(self) -> None:
-        """After backward: reduce what is still missing (unused parameters count as zero), wait."""
-        self._round.finish()
-
-    @torch.no_grad()
-    def _point_shard_grads(self) -> None:
-        if self.gradients == "averaged":
-            for p, s in zip(self._params, self.shards):
-                lo, hi = shard_range(p.numel(), self.world_size, self.rank)
-                s.grad = None if p.grad is None else p.grad.view(-1)[lo:hi]
-            return
-        if self.gradients == "reduce_scatter":
-            self._grad_rows = [None] * len(self.buckets)
-            for b in range(len(self.buckets)):
-                _, out, _ = self._launch(b, async_op=False)
-                self._accumulate(b, out)
-        for b, bucket in enumerate(self.buckets):
-            row = self._grad_rows[b]
-            for i, off in zip(bucket.indices, bucket.offsets):
-                n = self.shards[i].numel()
-                self.shards[i].grad = None if row is None else row[off:off + n]
-
     # -- the step ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -231,12 +155,9 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() takes no closure.")
         self._sync_groups(to_inner=True)
-        self._point_shard_grads()
+        self.grad_shards.point_shard_grads()
         self.optim.step()
-        for s in self.shards:
-            s.grad = None  # views into full gradients must not keep them alive
-        if self.gradients == "reduce_scatter":
-            self._grad_rows = [None] * len(self.buckets)  # rebuilt from param.grad at each step
+        self.grad_shards.release()
         self._gather_params()
         self._steps += 1
         return None
@@ -267,7 +188,7 @@ class ShardedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the full gradients and this rank's accumulated gradient shards."""
         super().zero_grad(set_to_none=set_to_none)
-        self._grad_rows = [None] * len(self.buckets)
+        self.grad_shards.clear()
 
     # -- checkpoints (the work is in dpcourse.zero.checkpoint) ------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -310,6 +231,4 @@ class ShardedOptimizer(Optimizer):
 
     def remove_hooks(self) -> None:
         """Remove the backward hooks of ``gradients="sharded"`` (e.g. before re-wrapping)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self.grad_shards.remove_hooks()
