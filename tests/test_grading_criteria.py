@@ -6,7 +6,6 @@ that criterion with the hint for its cause, while the solution keeps full marks.
 """
 
 import pathlib
-import sys
 
 import pytest
 import torch
@@ -15,20 +14,8 @@ from dpcourse.grading import check, oracles
 from dpcourse.grading.checks import get_spec
 from dpcourse.grading.runner import run_check
 from dpcourse.grading.submission import extract
-from notebook_helpers import notebook_module
 from planted import ddp_bugs, overlap_reset_bugs, ring_bugs, ring_left_bugs
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def solution(tmp_path):
-    """Load a solution notebook's code cells (without its check calls) as a module."""
-    def load(name: str):
-        return notebook_module(ROOT / "solutions" / name, tmp_path / f"criteria_{name[:2]}.py")
-    yield load
-    for name in [n for n in sys.modules if n.startswith("criteria_")]:
-        del sys.modules[name]
+from test_exercises_transfer import solution  # noqa: F401 - the fixture that loads a solution
 
 
 def _planted(module, check_name: str, sizes: tuple, **roles):

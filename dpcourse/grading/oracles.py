@@ -20,10 +20,7 @@ MIB = 2**20
 # -- lesson 02: what collectives leave on each rank ----------------------------------------
 def collective(op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """What ``dist.<op>`` leaves on each rank (sum; broadcast from rank 0; 1-D inputs)."""
-    n = len(inputs)
-    total = inputs[0].clone()
-    for t in inputs[1:]:
-        total = total + t
+    n, total = len(inputs), all_reduce_sum(inputs)
     if op == "all_reduce":
         return [total.clone() for _ in range(n)]
     if op == "reduce_scatter":
@@ -57,12 +54,8 @@ def all_reduce_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def ring_sent_bytes(numel: int, world_size: int, rank: int, element_size: int) -> int:
-    """Bytes rank ``rank`` sends in exercise 04's ring all-reduce of ``numel`` elements.
-
-    The ring turns left and rank r ends the reduce-scatter owning chunk r, so rank r
-    sends every chunk but its own in the reduce-scatter and every chunk but its left
-    neighbour's in the all-gather; an empty chunk is not sent.
-    """
+    """Bytes rank r sends in exercise 04's leftward ring: every chunk but chunk r in the
+    reduce-scatter, every chunk but chunk r - 1 in the all-gather (empty ones not at all)."""
     def length(i: int) -> int:
         lo, hi = chunk_bounds(numel, world_size, i % world_size)
         return hi - lo

@@ -19,6 +19,7 @@ Each criterion watches a cause, not only the end result:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -75,18 +76,13 @@ class _LikeDDP(nn.Module):
     def finish_gradient_synchronization(self):
         """Nothing left to do: the end of a synchronising backward already averaged."""
 
+    @contextlib.contextmanager
     def no_sync(self):
-        wrapper = self
-
-        class _Context:
-            def __enter__(self):
-                self.old = wrapper.require_backward_grad_sync
-                wrapper.require_backward_grad_sync = False
-
-            def __exit__(self, *exc):
-                wrapper.require_backward_grad_sync = self.old
-                return False
-        return _Context()
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
 
 
 def _fresh(params) -> bool:
