@@ -1,15 +1,12 @@
 """Exercise 16: clip gradients that are sharded across ranks, as torch does for DTensor gradients.
 
 The learner writes ``clip_sharded_(shards, max_norm, norm_type=2.0, group=None)``.
-Each rank holds, for every parameter, its chunk of the flattened gradient (padded
-with zeros to ``N`` equal chunks, as FSDP shards). The function must scale every
-shard in place exactly as ``torch.nn.utils.clip_grad_norm_`` scales the whole
-gradient in one process, and return the total norm (a 0-d tensor, equal on every
-rank). The grader builds the whole gradients, cuts them into the ranks' chunks,
-and asks torch's ``clip_grad_norm_`` for the expected norm and gradients; graded
-code may use ``all_reduce`` (and broadcast, barrier), and the grader's record of
-every collective shows whether one scalar or the gradients crossed the wire. The
-verdicts are :mod:`~dpcourse.grading.checks.clip_verdicts`, which ranks cannot import.
+Each rank holds, for every parameter, its chunk of the flattened gradient (zero-padded
+to ``N`` equal chunks, as FSDP shards); the function scales every shard in place as
+``torch.nn.utils.clip_grad_norm_`` scales the whole gradient in one process and
+returns the total norm on every rank. The grader asks torch's ``clip_grad_norm_``
+for the expected norm and gradients, and its record of every collective shows
+whether one scalar or the gradients crossed the wire.
 """
 
 from __future__ import annotations
@@ -18,8 +15,8 @@ import math
 
 import torch
 
-from dpcourse.grading.checks.base import Exercise, begin
-from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
+from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
+from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
 
 RTOL, ATOL = 1e-5, 1e-7
@@ -59,7 +56,6 @@ class ClipSharded(Exercise):
                   needs=("total_norm",)),
         no_delegation("total_norm"), no_deadlock("total_norm"),
     )
-    verdicts = "dpcourse.grading.checks.clip_verdicts"
     notes = (f"compared with torch.nn.utils.clip_grad_norm_ on the whole gradient, rtol={RTOL:g}, "
              f"atol={ATOL:g}; world sizes 2 and 3; fresh random gradients and sizes on each run",)
 
@@ -89,3 +85,50 @@ class ClipSharded(Exercise):
                 else type(got).__name__
             out.append({"norm": norm, "shards": shards})
         return out
+
+    def judge(self, ws, inputs, outputs, events):
+        from dpcourse.grading.oracles import flat_shard
+
+        recs = []
+        for k, case in enumerate(inputs[0]["cases"]):
+            label, crit = case["label"], case["crit"]
+            full = [torch.cat([inputs[r]["cases"][k]["shards"][j] for r in range(ws)])[:n]
+                    for j, n in enumerate(case["sizes"])]
+            want_norm, want = torch_clip(full, case["max_norm"], case["norm_type"])
+            for r in range(ws):
+                got = outputs[r][k]
+                recs.append(_norm(got["norm"], want_norm, inputs[r]["cases"][k]["shards"], r,
+                                  crit, label))
+                bad = next((d for g, w in zip(got["shards"], want)
+                            if (d := mismatch(g, flat_shard([w], ws, r), RTOL, ATOL))), "")
+                recs.append(CaseVerdict("clips_shards" if crit == "total_norm" else crit, not bad,
+                                        f"rank {r}'s shards: {bad}", label))
+                sent = [e for e in events_of(events[r], label)
+                        if "nbytes" in e and e["op"] != "barrier"]
+                one = len(sent) == 1 and sent[0]["op"] == "all_reduce" and sent[0]["nbytes"] <= 8
+                recs.append(CaseVerdict("one_scalar", one, f"rank {r} issued " + (", ".join(
+                    f"{e['op']} of {e['nbytes']} bytes" for e in sent) or "nothing"), label))
+        return recs
+
+
+def torch_clip(full, max_norm, norm_type):
+    """What torch's clip_grad_norm_ gives in one process: (total norm, clipped gradients)."""
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
+    for p, g in zip(params, full):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return norm, [p.grad for p in params]
+
+
+def _norm(got, want, mine, rank, crit, label) -> CaseVerdict:
+    """The norm's verdict; names a rank that returned its own shards' norm."""
+    name = "inf_norm" if crit == "inf_norm" else "total_norm"
+    if not isinstance(got, torch.Tensor) or got.numel() != 1:
+        return CaseVerdict(name, False, f"rank {rank} returned {got}, expected a 0-d tensor", label)
+    if torch.allclose(got.double().reshape(()), want.double(), rtol=RTOL, atol=ATOL):
+        return CaseVerdict(name, True, "", label)
+    local = torch.cat(mine).abs().max() if crit == "inf_norm" else torch.cat(mine).norm()
+    why = " (this rank's own shards' norm)" if torch.allclose(got.reshape(()), local,
+                                                               rtol=RTOL) else ""
+    return CaseVerdict(name, False, f"rank {rank} returned {got.item():.6g}{why}, torch's "
+                       f"clip_grad_norm_ gives {want.item():.6g}", label)
