@@ -112,8 +112,7 @@ def _judge_rank(ws, r, run, held, ref, out, events) -> list:
     for step, rec in enumerate(out["steps"]):
         label = f"{name}, world size {ws}, rank {r}, step {step}"
         if held[step] is not None:
-            recs += _forward(rec["log"], units, held[step], label)
-            recs += _backward(rec, units, held[step], label)
+            recs += _watched(rec, units, held[step], label)
         last = step == len(out["steps"]) - 1
         if last and out["stopped"]:
             recs.append(CaseVerdict(out["stopped_criterion"], False, out["stopped"], label))
@@ -150,59 +149,42 @@ def _judge_rank(ws, r, run, held, ref, out, events) -> list:
     return recs
 
 
-def _forward(log, units, before, label) -> list:
+def _watched(rec, units, before, label) -> list:
+    """Verdicts on what the rank's hooks saw at each unit's forward start and end and
+    backward start, and when backward returned."""
     recs = []
-    for e in log:
-        k = e["unit"]
-        unit = UNITS[k]
-        if e["at"] == "forward_start":
-            detail = ""
-            if not all(e["allocated"][k]):
-                detail = f"unit '{unit}' started its forward with a flat not gathered"
-            else:
-                names = [n for n, _, _ in units[k]]
-                for n, w in zip([x for ns in names for x in ns], e["weights"]):
-                    if not w["view_of_full"]:
-                        detail = (f"{n} is not a view into its flat's full buffer (a "
-                                  "copy: freeing the buffer would not free it)")
-                    elif (bad := mismatch(w["value"], before[n], *TOL)):
-                        detail = f"{n} at the start of the forward: {bad}"
-                    if detail:
-                        break
-            recs.append(CaseVerdict("gathers_before_forward", not detail, detail, label))
-        elif e["at"] == "forward_end":
-            kept = [f"'{UNITS[j]}'" for j, a in enumerate(e["allocated"]) if any(a)]
-            recs.append(CaseVerdict("frees_after_forward", not kept, f"when unit '{unit}' "
-                               f"ended its forward, unit(s) {', '.join(kept)} still held "
-                               "gathered weights", label))
-    return recs
-
-
-def _backward(rec, units, before, label) -> list:
-    recs, seen = [], []
-    log = [e for e in rec["log"] if e["at"] == "backward_start"]
-    for e in log:
-        k = e["unit"]
-        seen.append(k)
-        detail = ""
-        if not all(e["allocated"][k]):
-            detail = f"unit '{UNITS[k]}' started its backward with its weights freed"
-        else:
-            names = [x for ns, _, _ in units[k] for x in ns]
-            for n, w in zip(names, e["weights"]):
-                if (bad := mismatch(w["value"], before[n], *TOL)):
-                    detail = f"{n} at the start of the backward: {bad}"
-                    break
-        recs.append(CaseVerdict("gathers_before_backward", not detail, detail, label))
-        kept = [f"'{UNITS[j]}'" for j in range(k + 1, len(UNITS))
-                if any(a and t for a, (_, _, t) in zip(e["allocated"][j], units[j]))]
-        recs.append(CaseVerdict("frees_after_backward", not kept, f"when unit '{UNITS[k]}' "
-                           f"started its backward, unit(s) {', '.join(kept)} still held "
-                           "gathered trainable weights", label))
+    for e in rec["log"]:
+        k, moment = e["unit"], e["at"].split("_")[0]
+        if e["at"] == "forward_end":
+            kept = _kept(e["allocated"], units, range(len(UNITS)), trainable_only=False)
+            recs.append(CaseVerdict("frees_after_forward", not kept, f"when unit '{UNITS[k]}' "
+                                    f"ended its forward, unit(s) {kept} still held gathered "
+                                    "weights", label))
+            continue
+        detail = f"unit '{UNITS[k]}' started its {moment} with its weights not gathered" \
+            if not all(e["allocated"][k]) else ""
+        for n, w in zip([x for ns, _, _ in units[k] for x in ns], e["weights"]):
+            if detail:
+                break
+            if moment == "forward" and not w["view_of_full"]:
+                detail = (f"{n} is not a view into its flat's full buffer (a copy: freeing the "
+                          "buffer would not free it)")
+            elif (bad := mismatch(w["value"], before[n], *TOL)):
+                detail = f"{n} at the start of the {moment}: {bad}"
+        recs.append(CaseVerdict(f"gathers_before_{moment}", not detail, detail, label))
+        if moment == "backward":
+            kept = _kept(e["allocated"], units, range(k + 1, len(UNITS)))
+            recs.append(CaseVerdict("frees_after_backward", not kept, f"when unit '{UNITS[k]}' "
+                                    f"started its backward, unit(s) {kept} still held gathered "
+                                    "trainable weights", label))
     if "after_backward" in rec:
-        kept = [f"'{UNITS[j]}'" for j, a in enumerate(rec["after_backward"])
-                if any(x and t for x, (_, _, t) in zip(a, units[j]))]
+        kept = _kept(rec["after_backward"], units, range(len(UNITS)))
         recs.append(CaseVerdict("frees_after_backward", not kept, "when backward returned, "
-                           f"unit(s) {', '.join(kept)} still held gathered trainable "
-                           "weights", label))
+                                f"unit(s) {kept} still held gathered trainable weights", label))
     return recs
+
+
+def _kept(allocated, units, among, trainable_only=True) -> str:
+    """The units of ``among`` that hold a gathered flat (trainable ones only, by default)."""
+    return ", ".join(f"'{UNITS[j]}'" for j in among if any(
+        a and (t or not trainable_only) for a, (_, _, t) in zip(allocated[j], units[j])))
