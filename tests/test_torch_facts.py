@@ -1144,6 +1144,34 @@ def test_ddp_gradient_as_bucket_view_puts_gradients_in_the_bucket():
     assert (storages, n) == (4, 4)
 
 
+def _muls_and_divs_in_backward():
+    from torch.profiler import ProfilerActivity, profile
+
+    def count(module, params):
+        x = torch.randn(4, 8)
+        module(x).sum().backward()  # DDP's first backward also rebuilds its buckets
+        for p in params:
+            p.grad = None  # what zero_grad() does by default
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            module(x).sum().backward()
+        names = Counter(e.name for e in prof.events())
+        return names["aten::mul"], names["aten::div"] + names["aten::div_"]
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    wrapped = copy.deepcopy(plain)
+    n = len(list(plain.parameters()))
+    return count(plain, list(plain.parameters())), count(DDP(wrapped), list(wrapped.parameters())), n
+
+
+def test_ddp_divides_each_gradient_as_it_copies_it_into_the_bucket():
+    """L06: torch DDP's reducer runs one aten::mul per parameter in backward (the gradient times
+    1/world size, written into its bucket) and no division of the bucket afterwards."""
+    (plain_muls, plain_divs), (ddp_muls, ddp_divs), n = _on_two_cpu_ranks(_muls_and_divs_in_backward)[0]
+    assert ddp_muls - plain_muls == n == 6
+    assert ddp_divs == plain_divs
+
+
 def test_post_accumulate_grad_hooks_fire_last_layer_first_after_grad_is_written():
     """L06 c2/c3: register_post_accumulate_grad_hook calls fn(param) once param.grad holds the
     gradient, and backward reaches the last layer's parameters first."""
