@@ -12,12 +12,8 @@ from dpcourse.argtypes import UsageError
 
 
 def _exit_on_termination() -> None:
-    """Turn SIGTERM and SIGHUP into ``SystemExit``, so that the grader's clean-up runs.
-
-    Every kernel and rank the grader starts lives in its own session: a signal sent
-    to the grader alone never reaches them. Left to the default action, ``kill``
-    would end the grader without its ``finally`` blocks and leave them all running.
-    """
+    """Turn SIGTERM and SIGHUP into ``SystemExit``, so that the grader's clean-up runs: its
+    kernels and ranks live in sessions of their own, which a signal to the grader misses."""
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
@@ -37,10 +33,7 @@ def _writable_dir(path: str) -> str | None:
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse, before grading starts, an output path that could not be written afterwards.
-
-    Grading takes minutes per notebook; a typo in ``--json`` must not cost them.
-    """
+    """Refuse, before minutes of grading, an output path that could not be written afterwards."""
     for flag in ("--json", "--csv", "--lms-csv"):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path is None:

@@ -19,15 +19,9 @@ NOT_IMPLEMENTED = "NotImplementedError"
 class Criterion:
     """One thing a check verifies.
 
-    Attributes:
-        name: short identifier shown in reports (and asserted by tests).
-        description: what must hold, in one sentence.
-        hint: the likely mistake when it fails, and where to look.
-        requires: the role of a further learner definition this criterion grades (e.g.
-            ``"chunk_bounds"``); it fails with "not defined" when the notebook lacks it.
-        weight: its share of the check's points.
-        needs: criteria that must pass for this one to count (no credit for a vacuous pass).
-        gate: when it fails, the whole check scores zero.
+    ``requires``: the role of a further learner definition it grades (e.g. ``"chunk_bounds"``);
+    it fails with "not defined" when the notebook lacks it. ``needs``: criteria that must
+    pass for this one to count. ``gate``: when it fails, the whole check scores zero.
     """
 
     name: str
@@ -71,44 +65,26 @@ TOLERANCES = {
                               "collective": (1e-5, 1e-5)},
     ("nccl", torch.float32): {"vs_ddp": (1e-4, 1e-5), "vs_single": (1e-3, 1e-4),
                               "collective": (1e-5, 1e-5)},
-    ("gloo", torch.float64): {"vs_ddp": (1e-10, 1e-12), "vs_single": (1e-9, 1e-10),
-                              "collective": (1e-12, 1e-12)},
-    ("nccl", torch.float64): {"vs_ddp": (1e-10, 1e-12), "vs_single": (1e-9, 1e-10),
-                              "collective": (1e-12, 1e-12)},
-    # Low precision: every hop of a ring rounds its partial sum, the library may not.
-    ("gloo", torch.bfloat16): {"collective": (2e-2, 2e-2)},
-    ("nccl", torch.bfloat16): {"collective": (2e-2, 2e-2)},
-    ("gloo", torch.float16): {"collective": (2e-3, 2e-3)},
-    ("nccl", torch.float16): {"collective": (2e-3, 2e-3)},
+    **{(backend, dtype): table for backend in ("gloo", "nccl") for dtype, table in (
+        (torch.float64, {"vs_ddp": (1e-10, 1e-12), "vs_single": (1e-9, 1e-10),
+                         "collective": (1e-12, 1e-12)}),
+        # Low precision: every hop of a ring rounds its partial sum, the library may not.
+        (torch.bfloat16, {"collective": (2e-2, 2e-2)}),
+        (torch.float16, {"collective": (2e-3, 2e-3)}))},
 }
 
 
 def tolerance(backend: str, dtype: torch.dtype, against: str) -> tuple[float, float]:
-    """Return ``(rtol, atol)`` for comparing results of ``dtype`` on ``backend``.
-
-    Args:
-        backend: ``"gloo"`` or ``"nccl"``.
-        dtype: the tensors' dtype.
-        against: ``"vs_ddp"`` (torch DDP), ``"vs_single"`` (one process) or ``"collective"``.
-
-    Returns:
-        ``(rtol, atol)`` for ``torch.allclose``.
-    """
+    """Return ``(rtol, atol)`` for comparing results of ``dtype`` on ``backend`` (``"gloo"``,
+    ``"nccl"``) ``against`` ``"vs_ddp"`` (torch DDP), ``"vs_single"`` (one process) or
+    ``"collective"``."""
     table = TOLERANCES.get((backend, dtype)) or TOLERANCES[("gloo", torch.float32)]
     return table.get(against, TOLERANCES[("gloo", torch.float32)][against])
 
 
 def mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> str:
-    """Return ``""`` when ``got`` matches ``want``, else a one-line description of the difference.
-
-    Args:
-        got: the learner's tensor.
-        want: the expected tensor.
-        rtol, atol: tolerances as in ``torch.allclose``.
-
-    Returns:
-        An empty string, or e.g. ``"max |diff| 0.5 at index 3 (got 1.0, expected 0.5)"``.
-    """
+    """Return ``""`` when ``got`` matches ``want`` (``torch.allclose`` with ``rtol``, ``atol``),
+    else one line, e.g. ``"max |diff| 0.5 at flat index 3 (got 1.0, expected 0.5; ...)"``."""
     if not isinstance(got, torch.Tensor):
         return f"expected a tensor, got {type(got).__name__}"
     if got.shape != want.shape:

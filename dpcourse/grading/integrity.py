@@ -9,6 +9,7 @@ grader never grades this notebook or any later one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import dpcourse
@@ -22,11 +23,8 @@ def _walk(root: str) -> dict[str, bytes]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in names:
             path = os.path.join(folder, name)
-            try:
-                with open(path, "rb") as f:
-                    files[os.path.relpath(path, root)] = f.read()
-            except OSError:
-                continue
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                files[os.path.relpath(path, root)] = f.read()
     return files
 
 
@@ -64,16 +62,12 @@ class PackageSnapshot:
 
 
 def _write(path: str, data: bytes) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a file the notebook made read-only
         os.chmod(path, 0o644)
-    except OSError:
-        pass
     with open(path, "wb") as f:
         f.write(data)
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.remove(path)
-    except OSError:
-        pass

@@ -30,6 +30,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from dpcourse.launch.env import package_root
+
 # Modules of the grader that graded code never needs: the answers (and every check's
 # ``*_verdicts.py``), the judging of whole notebooks, and the reports. Left out of the
 # copy the sandbox sees.
@@ -43,11 +45,6 @@ _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM")
 
 class SandboxUnavailable(RuntimeError):
     """This machine cannot start the sandbox; the message says why."""
-
-
-def package_root() -> str:
-    """The folder that holds the ``dpcourse`` package (the checkout, in a development install)."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def package_copy(dest: str) -> str:
@@ -66,16 +63,12 @@ def package_copy(dest: str) -> str:
 
 
 def _installed() -> bool:
-    """True when the package lives in a site-packages folder (not a checkout)."""
     return os.path.basename(package_root()) in ("site-packages", "dist-packages")
 
 
 def _python_paths() -> list[str]:
-    """Folders of the Python installation graded code imports from, none of them the checkout.
-
-    Only the interpreter's prefixes and site-packages: never the current directory or
-    other ``sys.path`` entries, which may be the instructor's own folders.
-    """
+    """The interpreter's prefixes and site-packages, none of them the checkout: never the current
+    directory or other ``sys.path`` entries, which may be the instructor's own folders."""
     pkg = os.path.join(package_root(), "dpcourse")
     installed = _installed()
     found = []
@@ -96,7 +89,6 @@ def _python_paths() -> list[str]:
 
 
 def _knows(bwrap: str, option: str) -> bool:
-    """True when this bubblewrap lists ``option`` in its help."""
     try:
         text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
@@ -127,15 +119,9 @@ def unavailable() -> str | None:
 
 @dataclass
 class Sandbox:
-    """How to start one graded process under bubblewrap.
-
-    Args:
-        bwrap: path of the ``bwrap`` program.
-        package: a folder holding the sandbox's copy of ``dpcourse`` (:func:`package_copy`),
-            put first on the graded process's ``PYTHONPATH``.
-        disable_userns: forbid further user namespaces inside (bubblewrap 0.8 and later;
-            without it the binds are still locked read-only to the sandboxed process).
-    """
+    """How to start one graded process under ``bwrap``, importing ``package``'s copy of
+    ``dpcourse`` (:func:`package_copy`); ``disable_userns``: forbid further user namespaces
+    inside (bubblewrap 0.8 and later; without it the binds are still read-only inside)."""
 
     bwrap: str
     package: str
@@ -187,11 +173,8 @@ class Sandbox:
 
 @contextlib.contextmanager
 def prepared():
-    """Yield a :class:`Sandbox` with its own copy of the package, removed at the end.
-
-    Raises:
-        SandboxUnavailable: bubblewrap cannot run here (the message says why).
-    """
+    """Yield a :class:`Sandbox` with its own copy of the package, removed at the end
+    (:class:`SandboxUnavailable` says why bubblewrap cannot run here)."""
     why = unavailable()
     if why is not None:
         raise SandboxUnavailable(why)

@@ -1,17 +1,11 @@
 """The ``torch.distributed`` a graded rank sees: only what the exercise allows, carried by the grader.
 
-In a graded rank, ``import torch.distributed as dist`` (and ``torch.distributed``
-reached through ``import torch``) resolves to a :class:`DistModule` built here
-(:func:`make_builtins`; objects sent by value are pointed at it by :func:`rebind`),
-and torch's own process group is never initialised. Every message and collective
-goes through a socket to the grader, which delivers it, reduces it and counts its
-bytes. So:
-
-- in the ring exercise only ``send``/``recv``/``isend``/``irecv``/``P2POp``/
-  ``batch_isend_irecv`` exist: there is no collective to call, under any name;
-- torch DDP, and any course reference bound to torch's real module, cannot
-  communicate at all (the default process group does not exist);
-- the bytes a rank sends are counted by the grader, outside the rank.
+In a graded rank, ``torch.distributed`` (imported either way) is a :class:`DistModule`
+(:func:`make_builtins`; objects sent by value are pointed at it by :func:`rebind`), and
+torch's own process group is never initialised: every message and collective goes
+through a socket to the grader, which delivers it, reduces it and counts its bytes. So
+in the ring exercise there is no collective to call under any name, torch DDP cannot
+communicate at all, and a rank's bytes are counted outside the rank.
 """
 
 from __future__ import annotations
@@ -70,13 +64,8 @@ def _describe(t: torch.Tensor) -> str:
 
 
 class DistModule(types.ModuleType):
-    """A stand-in for ``torch.distributed`` exposing only the names in ``allowed``.
-
-    Args:
-        link: the connection to the grader.
-        allowed: the public names graded code may use (besides rank/size queries).
-        why: what to say when code asks for another name.
-    """
+    """A stand-in for ``torch.distributed`` over ``link`` exposing only the names in ``allowed``
+    (besides queries); ``why``: what to say when code asks for another name."""
 
     def __init__(self, link: Link, allowed: tuple[str, ...], why: str):
         super().__init__("torch.distributed", "The grader's torch.distributed for this exercise.")
@@ -102,8 +91,7 @@ class DistModule(types.ModuleType):
     def is_available(self) -> bool:
         return True
 
-    def is_initialized(self) -> bool:
-        return True
+    is_initialized = is_available
 
     def get_rank(self, group=None) -> int:
         return self._link.rank

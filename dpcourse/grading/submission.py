@@ -1,20 +1,16 @@
 """The learner's definitions, taken from notebook cells, and what graded code may not do.
 
-The grader runs only definitions: ``import`` statements, ``def``, ``class`` and
-assignments of plain values (no call), each cell compiled under its own name so
-that tracebacks point at ``<cell 3>``, line 12. Top-level calls (``check(...)``,
-demos, anything that patches or starts processes) never run in the grader's
-processes.
-
-:func:`policy_findings` lists what graded code may not use, because each is a
-way to reach past the exercise into the grader, the reference package or
-Python's internals (``exec`` of someone else's source, ``gc``, frame access,
-private attributes of modules, torch DDP).
+The grader runs only ``import``, ``def``, ``class`` and assignments of plain values (no
+call), each cell compiled under its own name (tracebacks say ``<cell 3>``, line 12); no
+top-level call ever runs in the grader's processes. :func:`policy_findings` lists what
+graded code uses to reach past the exercise (the grader, the reference package, Python's
+internals, torch DDP).
 """
 
 from __future__ import annotations
 
 import ast
+import linecache
 
 DENIED_MODULES = (
     "os", "sys", "subprocess", "gc", "inspect", "importlib", "ctypes", "builtins", "pickle",
@@ -67,13 +63,9 @@ def keep(stmt: ast.stmt) -> bool:
 
 
 def extract(sources: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[str]]:
-    """Keep the definitions of each cell, at their original line numbers.
+    """Keep the definitions of each ``(label, source)`` cell, at their original line numbers.
 
-    Args:
-        sources: ``(label, source)`` per code cell, in order, e.g. ``("<cell 3>", "def f(): ...")``.
-
-    Returns:
-        ``(cells, problems)``: the kept source per cell, and cells that could not be parsed.
+    Returns ``(cells, problems)``: the kept source per cell, and cells that could not be parsed.
     """
     cells, problems = [], []
     for label, source in sources:
@@ -120,11 +112,8 @@ def defined_names(cells: list[tuple[str, str]]) -> set[str]:
 
 
 def stub_message(cells: list[tuple[str, str]], name: str) -> str | None:
-    """The message of ``raise NotImplementedError(...)`` when that is all ``name`` does.
-
-    A class counts as a stub when one of its methods is. The last definition of
-    ``name`` wins, as in the kernel.
-    """
+    """The message of ``raise NotImplementedError(...)`` when that is all ``name`` (its last
+    definition, as in the kernel) or one of its methods does."""
     found = None
     for _, source in cells:
         for stmt in ast.parse(source).body:
@@ -186,18 +175,12 @@ def _executed_nodes(stmt, reachable: bool):
 
 def policy_findings(cells: list[tuple[str, str]], roots=(), allowed_imports: dict | None = None,
                     forbid_torch_ddp: bool = True) -> list[str]:
-    """Return what the graded code uses that graded code may not use, with cell and line.
+    """Return what the kept ``cells`` use that graded code may not use, with cell and line.
 
-    Scanned: every statement that runs when the cells are loaded (imports, class bodies,
-    decorators, plain values), and the bodies of functions reachable by name from ``roots``
-    (the graded definitions). An import counts only when reachable code uses its name.
-
-    Args:
-        cells: the kept cells from :func:`extract`.
-        roots: the names of the graded definitions.
-        allowed_imports: ``{module: {names}}`` an exercise permits (e.g. ``assign_buckets``
-            from ``dpcourse.ddp`` in the overlap exercise).
-        forbid_torch_ddp: also refuse any mention of ``DistributedDataParallel``.
+    Scanned: every statement that runs when the cells are loaded, and the bodies of
+    functions reachable by name from ``roots`` (the graded definitions); an import counts
+    only when reachable code uses its name. ``allowed_imports``: ``{module: {names}}`` an
+    exercise permits; ``forbid_torch_ddp``: refuse any mention of ``DistributedDataParallel``.
     """
     allowed = allowed_imports or {}
     stmts = [(label, stmt) for label, source in cells for stmt in ast.parse(source).body]
@@ -266,14 +249,8 @@ def _check_node(node, add, roots: set, allowed: dict, forbid_torch_ddp: bool) ->
 
 
 def load(cells: list[tuple[str, str]], names: dict, builtins_table: dict) -> dict:
-    """Execute the kept cells in a fresh namespace; return ``{role: object or None}``.
-
-    Args:
-        cells: ``(label, source)`` from :func:`extract`.
-        names: ``{role: name in the notebook}``, e.g. ``{"main": "ring_all_reduce"}``.
-        builtins_table: the builtins graded code gets (its ``torch.distributed`` is the grader's).
-    """
-    import linecache
+    """Execute the kept ``cells`` in a fresh namespace with ``builtins_table`` (whose imports
+    give the grader's ``torch.distributed``); return ``{role: object or None}`` for ``names``."""
 
     namespace = {"__name__": "__graded__", "__builtins__": builtins_table}
     for label, source in cells:

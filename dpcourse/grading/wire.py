@@ -1,11 +1,8 @@
 """The messages between a graded rank and the grader: a JSON header plus raw tensor bytes.
 
-Nothing is unpickled on the grader's side: a rank runs the learner's code, so
-what it sends is data (JSON and tensor bytes), never objects or code.
-
-On the rank's side every request (a send, a receive, a collective) is one message
-to the grader over :class:`Link`; the grader's reply, matched by id, completes the
-:class:`Work` that ``isend``/``irecv``/``async_op=True`` return.
+Nothing is unpickled on the grader's side: what a rank sends is data, never objects or
+code. A rank's every request is one message over :class:`Link`; the grader's reply,
+matched by id, completes the :class:`Work` that ``isend``/``irecv``/``async_op=True`` return.
 """
 
 from __future__ import annotations
@@ -22,13 +19,6 @@ MAX_PAYLOAD = 1 << 28
 
 class ProtocolError(RuntimeError):
     """A peer sent something that is not a well-formed message."""
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ProtocolError(f"unknown dtype {name!r}")
-    return dtype
 
 
 def pack(obj):
@@ -90,7 +80,9 @@ def decode(head: bytes, payload: bytes) -> tuple[dict, list[torch.Tensor]]:
         n = int(meta["nbytes"])
         if n < 0 or offset + n > len(payload):
             raise ProtocolError("payload shorter than announced")
-        dtype, shape = _dtype(meta["dtype"]), [int(s) for s in meta["shape"]]
+        dtype, shape = getattr(torch, str(meta["dtype"]), None), [int(s) for s in meta["shape"]]
+        if not isinstance(dtype, torch.dtype):
+            raise ProtocolError(f"unknown dtype {meta['dtype']!r}")
         if n:
             t = torch.frombuffer(bytearray(payload[offset:offset + n]), dtype=dtype).reshape(shape)
         else:
@@ -187,11 +179,7 @@ class Work:
         return self.done
 
     def get_future(self) -> torch.futures.Future:
-        """Wait, then return a completed future whose value is the list of result tensors.
-
-        As ``work.get_future()`` of torch's collectives, which communication hooks chain
-        with ``.then(...)``; here the operation is finished before the future is returned.
-        """
+        """Wait, then return a completed future of the result tensors (hooks chain ``.then``)."""
         self.wait()
         fut = torch.futures.Future()
         fut.set_result(self.tensors)

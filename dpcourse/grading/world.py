@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dpcourse.grading import wire
-from dpcourse.grading.sandbox import package_root
 from dpcourse.launch import reaper
+from dpcourse.launch.env import package_root
 from dpcourse.launch.stacks import main_thread_frames
 
 
@@ -42,6 +42,12 @@ class Failure:
     rank: int | None = None
     exc_type: str = ""
     traceback: str = ""
+
+    @classmethod
+    def reported(cls, rank: int, header: dict) -> "Failure":
+        """The error a rank reported (its ``"error"`` message)."""
+        return cls("error", str(header.get("text", "")), rank, str(header.get("exc_type", "")),
+                   str(header.get("traceback", "")))
 
 
 @dataclass
@@ -152,9 +158,7 @@ class MessageRelay:
             self.out.outputs[rank] = wire.unpack(header.get("outputs"), tensors)
             self.done[rank] = True
         elif kind == "error":
-            self.out.failure = Failure(
-                "error", str(header.get("text", "")), rank, str(header.get("exc_type", "")),
-                str(header.get("traceback", "")))
+            self.out.failure = Failure.reported(rank, header)
         else:
             raise wire.ProtocolError(f"unknown message {kind!r}")
 
@@ -300,58 +304,54 @@ class World:
             self.socks.append(mine)
             self.readers.append(wire.Reader())
 
-    def _arrivals(self, ranks, deadline: float):
-        """Yield each rank of ``ranks`` that has bytes to read, until ``deadline`` passes."""
-        sel = selectors.DefaultSelector()
-        for rank in ranks:
-            sel.register(self.socks[rank], selectors.EVENT_READ, rank)
-        try:
+    def _serve(self, ranks, deadline: float, handle, finished, on_timeout) -> Failure | None:
+        """Hand each message from ``ranks`` to ``handle(rank, header, tensors)`` until it returns
+        a :class:`Failure`, ``finished()`` holds (None), a rank stops or ``deadline`` passes."""
+        with selectors.DefaultSelector() as sel:
+            for rank in ranks:
+                sel.register(self.socks[rank], selectors.EVENT_READ, rank)
             while (left := deadline - time.monotonic()) > 0:
                 for key, _ in sel.select(min(left, 0.5)):
-                    yield key.data
-        finally:
-            sel.close()
-
-    def _read(self, rank: int, bufsize: int) -> list | Failure:
-        """Return the messages from ``rank`` now complete (maybe none), or why it stopped."""
-        try:
-            data = self.socks[rank].recv(bufsize)
-        except OSError:
-            data = b""
-        if not data:
-            return self._died(rank)
-        try:
-            return self.readers[rank].feed(data)
-        except wire.ProtocolError as exc:
-            return Failure("error", f"rank {rank} sent a message the grader does not accept "
-                           f"({exc}).", rank, "ProtocolError")
+                    rank = key.data
+                    try:
+                        data = self.socks[rank].recv(1 << 20)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        return self._died(rank)
+                    try:
+                        for header, tensors in self.readers[rank].feed(data):
+                            failure = handle(rank, header, tensors)
+                            if failure is not None:
+                                return failure
+                    except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
+                        return Failure("error", f"rank {rank} sent a message the grader does "
+                                       f"not accept ({exc}).", rank, "ProtocolError")
+                    if finished():
+                        return None
+        return on_timeout()
 
     def wait_ready(self, timeout: float) -> Failure | None:
         """Wait until every rank has loaded the definitions; return why not, or None."""
-        ready = [False] * len(self.procs)
-        with contextlib.closing(self._arrivals(range(len(ready)),
-                                               time.monotonic() + timeout)) as arrivals:
-            for rank in arrivals:
-                got = self._read(rank, 1 << 16)
-                if isinstance(got, Failure):
-                    return got
-                for header, _ in got:
-                    kind = header.get("t")
-                    if kind == "error":
-                        return Failure("error", str(header.get("text", "")), rank,
-                                       str(header.get("exc_type", "")),
-                                       str(header.get("traceback", "")))
-                    if kind != "ready":
-                        return Failure("error", f"rank {rank} sent {str(kind)!r} before loading",
-                                       rank, "ProtocolError")
-                    ready[rank] = True
-                if all(ready):
-                    return None
-        late = [r for r in range(len(ready)) if not ready[r]]
-        return Failure("timeout", f"rank(s) {', '.join(map(str, late))} did not load your "
-                       f"definitions within {timeout:g} s (top-level code that does not finish?).")
+        ready: set[int] = set()
 
-    # -- rounds ---------------------------------------------------------------
+        def handle(rank, header, _):
+            kind = header.get("t")
+            if kind == "error":
+                return Failure.reported(rank, header)
+            if kind != "ready":
+                return Failure("error", f"rank {rank} sent {str(kind)!r} before loading", rank,
+                               "ProtocolError")
+            ready.add(rank)
+            return None
+
+        def late():
+            late = [str(r) for r in range(len(self.procs)) if r not in ready]
+            return Failure("timeout", f"rank(s) {', '.join(late)} did not load your definitions "
+                           f"within {timeout:g} s (top-level code that does not finish?).")
+        return self._serve(range(len(self.procs)), time.monotonic() + timeout, handle,
+                           lambda: len(ready) == len(self.procs), late)
+
     def run_round(self, world_size: int, inputs: list, timeout: float) -> Round:
         """Run one round on ranks ``0..world_size-1``, each given ``inputs[rank]``."""
         t0 = time.monotonic()
@@ -365,25 +365,13 @@ class World:
             except OSError:
                 out.failure = self._died(rank)
                 return out
-        state = MessageRelay(self.socks, out, self.stack, self.allowed, self.why)
-        with contextlib.closing(self._arrivals(range(world_size), t0 + timeout)) as arrivals:
-            for rank in arrivals:
-                got = self._read(rank, 1 << 20)
-                if isinstance(got, Failure):
-                    out.failure = got
-                    break
-                try:
-                    for header, tensors in got:
-                        state.handle(rank, header, tensors)
-                        if out.failure is not None:
-                            break
-                except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
-                    out.failure = Failure("error", f"rank {rank} sent a message the grader does "
-                                          f"not accept ({exc}).", rank, "ProtocolError")
-                if out.failure is not None or state.finished():
-                    break
-            else:  # the deadline passed
-                out.failure = state.timeout_failure(timeout)
+        relay = MessageRelay(self.socks, out, self.stack, self.allowed, self.why)
+
+        def handle(rank, header, tensors):
+            relay.handle(rank, header, tensors)
+            return out.failure
+        out.failure = self._serve(range(world_size), t0 + timeout, handle, relay.finished,
+                                  lambda: relay.timeout_failure(timeout))
         out.seconds = time.monotonic() - t0
         return out
 

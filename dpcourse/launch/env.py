@@ -15,6 +15,11 @@ import socket
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 
 
+def package_root() -> str:
+    """The folder that holds the ``dpcourse`` package (the checkout, in a development install)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def worker_env(hide_gpus: bool = False) -> dict:
     """Return the environment a rank starts with: ours, this package importable, gloo on loopback.
 
@@ -26,8 +31,7 @@ def worker_env(hide_gpus: bool = False) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH")) if p)
     # gloo listens on the interface its host name resolves to (often the LAN):
     # all ranks live on this machine, so keep their traffic on loopback.
     names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
