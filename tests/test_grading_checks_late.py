@@ -126,3 +126,17 @@ def test_exercise_11_counts_every_collective_of_a_step(planted):
     assert "broadcast of" in crit.detail and "all_reduce of" in crit.detail, crit.detail
     assert "A broadcast crossed the wire" in crit.hint
     assert 0 < result.points < result.max_points
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_exercise_15_mixed_flag_case_sets_exactly_one_flag(world_size):
+    """should_stop's third case has one rank that wants to stop: a fix that reduces only on
+    that rank then hangs on every run, not on some."""
+    import random
+
+    spec = get_spec("debugging")
+    for seed in range(200):
+        inputs = spec.make_inputs(random.Random(seed), world_size)
+        flags = [[i["flags"][k] for i in inputs] for k in range(3)]
+        assert flags[:2] == [[False] * world_size, [True] * world_size]
+        assert sum(flags[2]) == 1, (seed, flags)

@@ -61,8 +61,9 @@ class DebuggingFixes(Exercise):
         num_classes = rng.randrange(5, 9)
         # distinct largest labels per rank: a length taken from the data differs between ranks
         tops = rng.sample(range(num_classes), world_size)
+        one = rng.randrange(world_size)  # the third case: exactly one rank's flag is set
         flag_cases = [[False] * world_size, [True] * world_size,
-                      [r == rng.randrange(world_size) for r in range(world_size)]]
+                      [r == one for r in range(world_size)]]
         return [{"num_classes": num_classes,
                  "labels": torch.tensor([rng.randrange(tops[r] + 1) for _ in range(6)] + [tops[r]]),
                  "tensor": torch.tensor([rng.uniform(-9, 9) for _ in range(3)]),
@@ -140,8 +141,8 @@ _TRAFFIC_HINTS = {
                       "rank's counts to all others moves N times the bytes.",
     "exchange_completes": "The right tensor arrived, but not by one message to the right: each "
                           "rank needs only its left neighbour's tensor, so each sends its own "
-                          "once, to rank + 1, and receives once; a collective hands every "
-                          "tensor to every rank.",
+                          "once, to rank + 1, and receives once; a broadcast from every "
+                          "rank hands every tensor to every rank.",
     "stop_agrees": "The answer was right, but not from one all-reduce of one number: each rank "
                    "puts its flag in a one-element tensor and all reduce it with MAX (or SUM) "
                    "together; a broadcast per rank is N collectives for one bit each.",
