@@ -129,11 +129,11 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
         if case["dtype"] != "float32":
             want = buckets_within_cap(nbytes, case["cap"])
             detail = f"got {got}, expected {want}"
-            if got != want and got == oracles.buckets(nbytes, case["cap"]):
-                detail += f" (the buckets of {_LESSON})"
-            elif got != want and got == buckets_within_cap([4 * s for s in case["sizes"]],
-                                                           case["cap"]):
+            if got != want and got == buckets_within_cap([4 * s for s in case["sizes"]],
+                                                         case["cap"]):
                 detail += f" (the buckets of this rule with {_ELEMENTS})"
+            elif got != want and got == oracles.buckets(nbytes, case["cap"]):
+                detail += f" (the buckets of {_LESSON})"
             later.append(CaseVerdict(BYTES, got == want, detail, name))
             continue
         flat = [i for b in got for i in b]
