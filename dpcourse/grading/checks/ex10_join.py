@@ -57,7 +57,7 @@ def _clone(ts) -> list:
     return [None if t is None else t.detach().clone() for t in ts]
 
 
-def rank_run(link, learner, inputs) -> list:
+def train_under_join(link, learner, inputs) -> list:
     """Train the learner's wrapper under ``Join`` on each case; return what each case left."""
     import torch.distributed.algorithms.join as join_module
 
@@ -186,7 +186,7 @@ class JoinShadow(Exercise):
                                              "batches": batches})
         return per_rank
 
-    rank_run = staticmethod(rank_run)
+    rank_run = staticmethod(train_under_join)
     verdicts = "dpcourse.grading.checks.join_verdicts"
 
     def explain(self, text):

@@ -31,26 +31,26 @@ DTYPE = torch.bfloat16
 TRACKING = 0.5        # the feedback run's drift must stay under this share of torch's hook's
 
 
-def layout(step: int) -> tuple:
+def bucket_layout(step: int) -> tuple:
     """The buckets of ``step`` (0-based), each the tuple of its parameters' indices in order."""
     return BUCKETS if step == 0 else REBUILT
 
 
 def bucket_grads(grads, step: int) -> list:
     """Per-parameter tensors of one step laid out as its buckets' flat tensors."""
-    return [torch.cat([grads[p].reshape(-1) for p in b]) for b in layout(step)]
+    return [torch.cat([grads[p].reshape(-1) for p in b]) for b in bucket_layout(step)]
 
 
 def per_param(flat, step: int) -> list:
     """The inverse of :func:`bucket_grads`: bucket tensors of ``step`` split back by parameter."""
     out = [None] * len(PARAMS)
-    for t, b in zip(flat, layout(step)):
+    for t, b in zip(flat, bucket_layout(step)):
         for p, piece in zip(b, t.split([PARAMS[q] for q in b])):
             out[p] = piece
     return out
 
 
-def rank_run(link, learner, inputs) -> dict:
+def run_hook_as_reducer(link, learner, inputs) -> dict:
     """Run the learner's hook on each step's buckets; return what it sent, returned and kept."""
     from torch import nn
 
@@ -73,7 +73,7 @@ def rank_run(link, learner, inputs) -> dict:
             if s < 2:  # new storage for the first layout and for the rebuilt one
                 buffers = [torch.zeros(n) for n in SIZES]
             works, per_bucket = [], []
-            for i, (b, g) in enumerate(zip(layout(s), bucket_grads(grads, s))):
+            for i, (b, g) in enumerate(zip(bucket_layout(s), bucket_grads(grads, s))):
                 with torch.no_grad():
                     buffers[i].copy_(g)
                 before = len(sent)
@@ -164,7 +164,7 @@ class ErrorFeedbackHook(Exercise):
             out.append({"grads": grads})
         return out
 
-    rank_run = staticmethod(rank_run)
+    rank_run = staticmethod(run_hook_as_reducer)
     verdicts = "dpcourse.grading.checks.feedback_verdicts"
 
     def explain(self, text):

@@ -116,9 +116,9 @@ class DebuggingFixes(Exercise):
         else:
             wrong = sorted(job for job, cause in ANSWERS.items() if causes.get(job) != cause)
             unknown = sorted({str(v) for v in causes.values()} - set(CAUSES))
+            extra = f"; {unknown} are not among the causes" if unknown else ""
             recs.append(CaseVerdict("causes_named", not wrong, f"job(s) {', '.join(wrong)}: the "
-                                    "named cause does not fit the log" + (
-                                        f"; {unknown} are not among the causes" if unknown else "")))
+                                    f"named cause does not fit the log{extra}"))
         follow_causes(self, recs, lambda rec: _TRAFFIC_HINTS[rec.criterion]
                       if "crossed the wire" in rec.detail else "")
         return recs

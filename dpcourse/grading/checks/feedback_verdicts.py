@@ -1,7 +1,7 @@
 """The grader's verdicts on exercise 11, with the references they compute.
 
 :func:`judge` compares what each rank's hook sent, returned and kept
-(:func:`~dpcourse.grading.checks.ex11_error_feedback.rank_run`) with torch's
+(:func:`~dpcourse.grading.checks.ex11_error_feedback.run_hook_as_reducer`) with torch's
 ``bf16_compress_hook`` (:func:`dpcourse.grading.oracles.compress_hook`), with
 the compression of gradient + previous residual, and with the uncompressed sum
 over all steps. Grader-only: graded ranks cannot import this module (see
@@ -15,7 +15,7 @@ import torch
 from dpcourse.grading import oracles
 from dpcourse.grading.checks.base import CaseVerdict, events_of
 from dpcourse.grading.checks.ex11_error_feedback import (DTYPE, PARAMS, SIZES, STEPS, TRACKING,
-                                                      bucket_grads, layout, per_param)
+                                                      bucket_grads, bucket_layout, per_param)
 from dpcourse.grading.criteria import mismatch
 
 
@@ -120,9 +120,9 @@ REBUILT_DETAIL = ("the previous residual was added where it lay before the bucke
 
 def _moved(old, i, s):
     """Bucket ``i``'s residual of step ``s - 1`` with each parameter's part in step ``s``'s order."""
-    if s == 0 or layout(s) == layout(s - 1):
+    if s == 0 or bucket_layout(s) == bucket_layout(s - 1):
         return old
-    before, after = layout(s - 1)[i], layout(s)[i]
+    before, after = bucket_layout(s - 1)[i], bucket_layout(s)[i]
     parts = dict(zip(before, old.split([PARAMS[p] for p in before])))
     return torch.cat([parts[p] for p in after])
 
