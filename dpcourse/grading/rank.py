@@ -1,10 +1,8 @@
-"""A graded rank: load the learner's definitions, then run the rounds the grader sends.
+"""A graded rank (started by :class:`~dpcourse.grading.world.World` with one end of a socket
+pair): load the learner's definitions, then run the rounds the grader sends.
 
-Started only by :class:`dpcourse.grading.world.World` with one end of a socket
-pair. The process never initialises torch's process group, never receives an
-expected value, and cannot import the grader's answers (``oracles``) or its
-judging code: what it sends back are the learner's outputs, which the grader
-compares in its own process.
+It never initialises torch's process group, never receives an expected value, and cannot
+import the grader's answers or judging code: it sends back the learner's outputs only.
 """
 
 from __future__ import annotations

@@ -263,12 +263,11 @@ class World:
         size: how many rank processes (the largest world size of the check).
         setup: the message each rank gets first (check name, source cells, names).
         label: used in temp-dir names.
-        sandbox: a :class:`~dpcourse.grading.sandbox.Sandbox` to start each rank in (with a
-            scratch folder of its own), or ``None`` for plain processes (the learner's
-            own ``check()``).
+        sandbox: the :class:`~dpcourse.grading.sandbox.Sandbox` each rank starts in (with a
+            scratch folder of its own), or ``None`` (the learner's own ``check()``).
         shared_folder: also give every rank one folder in common, ``self.shared``.
-        dist_api, dist_why: the torch.distributed functions the exercise allows, and what
-            to say about another one: the relay refuses any other operation.
+        dist_api, dist_why: the torch.distributed functions the exercise allows (the relay
+            refuses any other operation), and what to say about another one.
     """
 
     def __init__(self, size: int, setup: dict, label: str = "check", sandbox=None,
