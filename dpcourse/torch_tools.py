@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 
 import torch
@@ -185,8 +186,11 @@ def main(argv=None) -> int:
     init_attempt_process_group()
     try:
         result = train_resumable(args.steps, args.folder, args.save_every, args.crash_at)
-        print(f"rank {dist.get_rank()}: restart {result['restart']}, started at step "
-              f"{result['started_at']}, finished step {args.steps}", flush=True)
+        # One write per line: both workers print to one pipe, and print() writes the text
+        # and its newline separately when the output is unbuffered (PYTHONUNBUFFERED).
+        sys.stdout.write(f"rank {dist.get_rank()}: restart {result['restart']}, started at step "
+                         f"{result['started_at']}, finished step {args.steps}\n")
+        sys.stdout.flush()
         if dist.get_rank() == 0:
             torch.save(result, args.out)
     finally:
