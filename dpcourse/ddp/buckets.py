@@ -185,6 +185,9 @@ class Bucket:
                comm_hook: Callable[[Bucket], Any] | None = None) -> Any:
         """Average the bucket in place: divide by ``divisor``, then ``all_reduce`` the buffer.
 
+        Slots :meth:`place_grad` already filled (divided) are left as they are; the
+        others are filled and divided here.
+
         Args:
             all_reduce: ``fn(tensor, async_op=...)`` summing over the ranks in place.
             divisor: what the sum is divided by: the number of ranks averaged over
