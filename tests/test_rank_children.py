@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -23,6 +24,7 @@ from proc_helpers import describe, wait_gone
 
 import dpcourse
 from dpcourse import RankError
+from dpcourse.launch import workdir
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
@@ -44,6 +46,23 @@ def test_dataloader_with_worker_processes_in_a_rank():
     start = time.monotonic()
     assert dpcourse.run(load_with_workers, world_size=2, backend="gloo", timeout=90) == [240.0] * 2
     assert time.monotonic() - start < 90
+
+
+def test_dataloader_workers_in_a_rank_under_a_long_temporary_directory(tmp_path):
+    # A worker hands each batch to the rank over an AF_UNIX socket made in the launch's work
+    # directory; under a long TMPDIR its path would pass the 108-byte limit, the batch would
+    # never arrive and the rank would wait for it until the launch timed out.
+    long_tmp = tmp_path / ("t" * (workdir.SOCKET_PATH_MAX - len(str(tmp_path))))
+    long_tmp.mkdir()
+    code = ("import dpcourse, test_rank_children as t; "
+            "print(dpcourse.run(t.load_with_workers, world_size=2, backend='gloo', timeout=60))")
+    env = dict(os.environ, TMPDIR=str(long_tmp),
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[240.0, 240.0]"
+    assert os.listdir(long_tmp) == []  # the work directory went to /tmp, and went
 
 
 def run_a_program():
@@ -102,6 +121,14 @@ def _start_launcher(mode: str, tmp_path, go: str = "") -> subprocess.Popen:
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
+def _work_dirs(launcher: subprocess.Popen, tmp_path) -> list[str]:
+    """What is in the launcher's TMPDIR, and its work directories in /tmp (used instead of a
+    TMPDIR whose socket paths would be too long; see dpcourse.launch.workdir)."""
+    prefix = f"{workdir.WORKDIR_PREFIX}{launcher.pid}-"
+    return os.listdir(tmp_path) + [n for n in os.listdir(workdir.SHORT_TEMP_DIR)
+                                   if n.startswith(prefix)]
+
+
 def _descendants_once_started(launcher: subprocess.Popen, ranks: int = 2) -> list[int]:
     """Wait until every rank has started its children; return the pids of all descendants."""
     started = 0
@@ -127,9 +154,9 @@ def test_killing_the_launcher_ends_everything_the_ranks_started(sig, tmp_path):
         assert left == [], "still running after the launcher died:\n" + describe(
             [psutil.Process(pid) for pid in left if psutil.pid_exists(pid)])
         deadline = time.monotonic() + 10
-        while os.listdir(tmp_path) and time.monotonic() < deadline:
+        while _work_dirs(launcher, tmp_path) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert os.listdir(tmp_path) == []  # the work directory went with them
+        assert _work_dirs(launcher, tmp_path) == []  # the work directory went with them
     finally:
         launcher.kill()
         launcher.wait()
@@ -156,7 +183,7 @@ def test_failed_run_with_workers_leaves_no_files_and_no_processes(tmp_path, tmp_
         assert "RankError failed with workers running" in out
         assert wait_gone(pids, timeout=10) == []
         # multiprocessing's socket folders (pymp-*) and the launch's work directory.
-        assert os.listdir(tmp_path) == []
+        assert _work_dirs(launcher, tmp_path) == []
     finally:
         launcher.kill()
         launcher.wait()
@@ -189,3 +216,14 @@ def test_failed_run_leaves_no_named_semaphores():
     names = info.value.message.split()[2:]  # e.g. /mp-1a2b3c4d, one per rank
     assert len(names) == 2 and all(name.startswith("/mp-") for name in names)
     assert [n for n in names if os.path.exists("/dev/shm/sem." + n[1:])] == []
+
+
+def test_a_launch_without_a_short_enough_temporary_directory_says_to_set_tmpdir(tmp_path,
+                                                                                monkeypatch):
+    long_tmp = tmp_path / ("t" * (workdir.SOCKET_PATH_MAX - len(str(tmp_path))))
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    monkeypatch.setattr(workdir, "SHORT_TEMP_DIR", str(long_tmp))
+    with pytest.raises(RuntimeError, match="Set TMPDIR to a short writable directory"):
+        dpcourse.run(os.getpid, world_size=2, backend="gloo")
+    assert os.listdir(long_tmp) == []

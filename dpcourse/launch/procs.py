@@ -13,14 +13,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 from dpcourse.launch import guard
 from dpcourse.launch.env import worker_env
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.launch.relay import OutputRelay
-from dpcourse.launch.workdir import WORKDIR_PREFIX, LaunchSpec, clean_stale_workdirs
+from dpcourse.launch.workdir import LaunchSpec, clean_stale_workdirs, make_workdir
 
 # How long a rank that returned may take to destroy its process group and exit.
 SHUTDOWN_GRACE = 30.0
@@ -36,7 +35,7 @@ class Launch:
         self.spec, self.timeout = spec, timeout
         self.world_size = spec.world_size
         clean_stale_workdirs()
-        self.workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
+        self.workdir = make_workdir()
         self.procs: list[subprocess.Popen] = []
         self.guard: subprocess.Popen | None = None
         self.results: dict[int, dict] = {}

@@ -15,20 +15,61 @@ from dataclasses import dataclass, field
 # Work directories are named after the launching process, so that one left behind
 # by a launcher that was killed (SIGKILL, a kernel restart) can be recognised.
 WORKDIR_PREFIX = "dpcourse-"
+# The longest path an AF_UNIX socket may have: sockaddr_un.sun_path holds 108 bytes on
+# Linux and 104 on macOS, the final NUL included. DataLoader workers hand tensors to the
+# rank through such sockets, made in multiprocessing's temporary directory, which each
+# rank sets to WORKDIR/mp<rank> (dpcourse.launch.worker).
+SOCKET_PATH_MAX = 103
+# What a socket path adds to the work directory: "/mp<rank>/listener-<8 random characters>".
+SOCKET_SUFFIX = len("/mp9999/listener-12345678")
+# Where the work directory goes when the temporary directory's own path is too long.
+SHORT_TEMP_DIR = "/tmp"
 
 
-def clean_stale_workdirs(tmp: str | None = None) -> list[str]:
+def _temp_dirs() -> list[str]:
+    """The directories work directories are made in: the temporary directory, then /tmp."""
+    return list(dict.fromkeys([tempfile.gettempdir(), SHORT_TEMP_DIR]))
+
+
+def make_workdir() -> str:
+    """Create a launch's work directory; return its path.
+
+    It goes in the temporary directory (``TMPDIR``) unless the socket paths inside it
+    would be too long for an AF_UNIX address: a DataLoader worker then cannot hand
+    over its batch, and the rank waits for it forever. Then it goes in /tmp.
+
+    Raises:
+        RuntimeError: neither directory gives socket paths that fit; says what to set.
+    """
+    prefix = f"{WORKDIR_PREFIX}{os.getpid()}-"
+    for tmp in _temp_dirs():
+        # mkdtemp adds 8 random characters to the prefix.
+        if len(os.path.join(os.path.abspath(tmp), prefix)) + 8 + SOCKET_SUFFIX <= SOCKET_PATH_MAX \
+                and os.path.isdir(tmp) and os.access(tmp, os.W_OK | os.X_OK):
+            return tempfile.mkdtemp(prefix=prefix, dir=tmp)
+    raise RuntimeError(
+        f"the temporary directory {tempfile.gettempdir()} has too long a path for the sockets "
+        f"DataLoader workers use (at most {SOCKET_PATH_MAX} characters in all), and "
+        f"{SHORT_TEMP_DIR} cannot be used instead. Set TMPDIR to a short writable directory "
+        "before starting Python, e.g. TMPDIR=/tmp.")
+
+
+def clean_stale_workdirs() -> list[str]:
     """Remove the work directories of launchers that no longer exist; return their paths.
 
     A launcher removes its own directory when it stops; one killed outright
     cannot, and its directory (with the pickled function) would stay behind.
-    Only directories of this user whose launcher process is gone are removed.
-
-    Args:
-        tmp: the temporary directory to look in (default: ``tempfile.gettempdir()``).
+    Only directories of this user whose launcher process is gone are removed,
+    from every directory :func:`make_workdir` uses.
     """
-    tmp = tmp or tempfile.gettempdir()
     removed = []
+    for tmp in _temp_dirs():
+        removed += _clean_stale_workdirs_in(tmp)
+    return removed
+
+
+def _clean_stale_workdirs_in(tmp: str) -> list[str]:
+    removed: list[str] = []
     try:
         names = os.listdir(tmp)
     except OSError:
