@@ -227,3 +227,19 @@ def test_a_launch_without_a_short_enough_temporary_directory_says_to_set_tmpdir(
     with pytest.raises(RuntimeError, match="Set TMPDIR to a short writable directory"):
         dpcourse.run(os.getpid, world_size=2, backend="gloo")
     assert os.listdir(long_tmp) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's sockaddr_un")
+def test_an_af_unix_socket_path_holds_at_most_107_bytes_on_linux(tmp_path):
+    import socket
+
+    base = str(tmp_path) + "/"
+    for length, fits in ((107, True), (108, False)):
+        path = base + "s" * (length - len(base))
+        with socket.socket(socket.AF_UNIX) as sock:
+            if fits:
+                sock.bind(path)
+            else:
+                with pytest.raises(OSError, match="too long"):
+                    sock.bind(path)
+    assert workdir.SOCKET_PATH_MAX <= 107
