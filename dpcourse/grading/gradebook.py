@@ -35,39 +35,43 @@ def counted_max(row: dict) -> float:
     return 0.0 if row.get("not_graded") else row["max_points"]
 
 
+def _key(row: dict) -> list:
+    return [row["submission"], row["notebook"], row["exercise"], row["check"]]
+
+
+def _why(row: dict) -> str | None:
+    """Why the row was not graded (its points are then an empty cell, never a 0), or None."""
+    return strip_ansi(row["not_graded"]) if row.get("not_graded") else None
+
+
 def score_table(report: dict) -> str:
     """Return the score table: one row per exercise, totals per submission, notebook problems."""
-    rows = [{"submission": r["submission"], "notebook": r["notebook"], "exercise": r["exercise"],
-             "check": r["check"],
-             "criteria": "-" if r.get("not_graded") else f"{r['passed']}/{r['total']}",
-             "points": (f"not graded (of {r['max_points']:g})" if r.get("not_graded")
-                        else f"{r['points']:g}/{r['max_points']:g}"
-                        + ("" if r.get("sandboxed", True) else " (not sandboxed)"))}
-            for r in report["results"]]
+    results = report["results"]
+    rows = [dict(zip(("submission", "notebook", "exercise", "check"), _key(r)),
+                 criteria="-" if _why(r) else f"{r['passed']}/{r['total']}",
+                 points=(f"not graded (of {r['max_points']:g})" if _why(r)
+                         else f"{r['points']:g}/{r['max_points']:g}"
+                         + ("" if r.get("sandboxed", True) else " (not sandboxed)")))
+            for r in results]
     out = [format_table(rows)] if rows else ["no exercise checks matched these notebooks"]
-    subs = sorted({r["submission"] for r in report["results"]})
-    if len(subs) > 1:
-        for s in subs:
-            mine = [r for r in report["results"] if r["submission"] == s]
-            out.append(f"{s}: {sum(r['points'] for r in mine):g}/"
-                       f"{sum(counted_max(r) for r in mine):g} points")
+    subs = sorted({r["submission"] for r in results})
+    for s in subs if len(subs) > 1 else ():
+        mine = [r for r in results if r["submission"] == s]
+        out.append(f"{s}: {sum(r['points'] for r in mine):g}/"
+                   f"{sum(counted_max(r) for r in mine):g} points")
     out.append(f"total: {report['points']:g}/{report['max_points']:g} points")
     if report.get("sandboxed") is False:
         out.append("not sandboxed: these notebooks ran with the grader's own rights "
                    "(--no-sandbox); a notebook could have changed any of these scores")
-    skipped = [r for r in report["results"] if r.get("not_graded")]
+    skipped = [r for r in results if _why(r)]
     if skipped:
         out.append(f"not graded on this machine: {len(skipped)} check(s), "
                    f"{sum(r['max_points'] for r in skipped):g} points left out of the totals")
-        for why in dict.fromkeys(f"exercise {r['exercise']} ({r['check']}): {r['not_graded']}"
-                                 for r in skipped):
-            out.append(f"  {why}")
-    for nb in report["notebooks"]:
-        if nb["status"] == NOT_GRADED_STATUS:  # said just above, with the reason
-            continue
-        if nb["status"] != "ok":
-            out.append(f"{nb['submission']}/{nb['notebook']}: {nb['status']}: "
-                       f"{strip_ansi(nb['message'])}")
+        out += dict.fromkeys(f"  exercise {r['exercise']} ({r['check']}): {r['not_graded']}"
+                             for r in skipped)
+    # A notebook not graded here is said just above, with the reason.
+    out += [f"{nb['submission']}/{nb['notebook']}: {nb['status']}: {strip_ansi(nb['message'])}"
+            for nb in report["notebooks"] if nb["status"] not in ("ok", NOT_GRADED_STATUS)]
     return "\n".join(out)
 
 
@@ -95,52 +99,51 @@ def criterion_points(row: dict) -> list[float]:
     return split_points(row["points"], [c["weight"] if c["passed"] else 0.0 for c in crits])
 
 
-def write_csv(report: dict, path: str) -> None:
-    """One row per submission, check and criterion."""
+def _write_csv(path: str, report: dict, header: list, rows: list, sandboxed: str) -> None:
+    # Without the sandbox every row says so, in a column of its own (named ``sandboxed``).
+    bare = report.get("sandboxed") is False
     buf = io.StringIO()
     w = csv.writer(buf)
-    bare = report.get("sandboxed") is False  # every row then says so, in its own column
-    w.writerow(["submission", "notebook", "exercise", "check", "criterion", "weight", "passed",
-                "points", "max_points", "detail", *(["sandboxed"] if bare else [])])
-    mark = ["no"] if bare else []
-    for row in report["results"]:
-        if row.get("not_graded"):  # one row, empty points: not a 0 to be summed or imported
-            w.writerow([row["submission"], row["notebook"], row["exercise"], row["check"],
-                        "not_graded", "", "", "", "", strip_ansi(row["not_graded"]), *mark])
-            continue
-        most = split_points(row["max_points"], [c["weight"] for c in row["criteria"]])
-        for c, pts, top in zip(row["criteria"], criterion_points(row), most):
-            w.writerow([row["submission"], row["notebook"], row["exercise"], row["check"],
-                        c["name"], c["weight"], int(c["passed"]), pts, top,
-                        strip_ansi(c["detail"]).splitlines()[0] if c["detail"] else "", *mark])
+    w.writerow(header + ([sandboxed] if bare else []))
+    w.writerows(row + (["no"] if bare else []) for row in rows)
     _atomic_write(path, buf.getvalue())
 
 
+def write_csv(report: dict, path: str) -> None:
+    """One row per submission, check and criterion."""
+    rows = []
+    for r in report["results"]:
+        if _why(r):
+            rows.append(_key(r) + ["not_graded", "", "", "", "", _why(r)])
+            continue
+        most = split_points(r["max_points"], [c["weight"] for c in r["criteria"]])
+        rows += [_key(r) + [c["name"], c["weight"], int(c["passed"]), pts, top,
+                            strip_ansi(c["detail"]).splitlines()[0] if c["detail"] else ""]
+                 for c, pts, top in zip(r["criteria"], criterion_points(r), most)]
+    _write_csv(path, report, ["submission", "notebook", "exercise", "check", "criterion",
+                              "weight", "passed", "points", "max_points", "detail"], rows,
+               "sandboxed")
+
+
 def write_lms_csv(report: dict, path: str) -> None:
-    """One row per submission: Student, ID, one column per exercise, Total."""
+    """One row per submission: Student, ID, one column per exercise, Total (Canvas, Moodle)."""
     columns: dict[str, None] = {}
-    table: dict[str, dict] = {}
+    marks: dict[str, dict] = {}
     why: dict[str, list[str]] = {}
     for r in report["results"]:
         col = f"Exercise {r['exercise']}: {r['title']} ({r['max_points']:g})"
         columns[col] = None
-        marks = table.setdefault(r["submission"], {})
-        if r.get("not_graded"):
-            marks.setdefault(col, "")  # empty, not 0: a 0 would read as a grade
-            why.setdefault(r["submission"], []).append(
-                f"Exercise {r['exercise']}: {strip_ansi(r['not_graded'])}")
+        mine = marks.setdefault(r["submission"], {})
+        if _why(r):
+            mine.setdefault(col, "")
+            why.setdefault(r["submission"], []).append(f"Exercise {r['exercise']}: {_why(r)}")
         else:
-            marks[col] = r["points"]
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    bare = report.get("sandboxed") is False
-    w.writerow(["Student", "ID", *columns, "Total", *(["Not graded"] if why else []),
-                *(["Sandboxed"] if bare else [])])
-    for sub, marks in sorted(table.items()):
-        w.writerow([sub, sub, *[marks.get(c, 0) for c in columns],
-                    round(sum(v for v in marks.values() if v != ""), 1),
-                    *(["; ".join(why.get(sub, []))] if why else []), *(["no"] if bare else [])])
-    _atomic_write(path, buf.getvalue())
+            mine[col] = r["points"]
+    rows = [[sub, sub, *[mine.get(c, 0) for c in columns],
+             round(sum(v for v in mine.values() if v != ""), 1),
+             *(["; ".join(why.get(sub, []))] if why else [])] for sub, mine in sorted(marks.items())]
+    _write_csv(path, report, ["Student", "ID", *columns, "Total",
+                              *(["Not graded"] if why else [])], rows, "Sandboxed")
 
 
 def report_markdown(info: dict, results: list) -> str:
@@ -149,27 +152,7 @@ def report_markdown(info: dict, results: list) -> str:
     if info.get("status") not in ("ok", NOT_GRADED_STATUS, None):
         lines += [f"**The notebook did not run to the end** ({info['status']}): "
                   f"{strip_ansi(info.get('message', ''))}", ""]
-    for r in results:
-        if r.not_graded:
-            lines += [f"## {r.headline()}", "", f"- why: {_md(r.not_graded)}", ""]
-            continue
-        lines += [f"## {r.headline()}", "", "| | criterion | weight | what it checks |",
-                  "|---|---|---|---|"]
-        for c in r.criteria:
-            mark = "PASS" if c.passed else "FAIL"
-            lines.append(f"| {mark} | `{c.name}` | {c.weight:g} | {c.description} |")
-        lines.append("")
-        for c in r.criteria:
-            if not c.passed and c.detail:
-                lines.append(f"- **{c.name}**: {_md(c.detail)}")
-                if c.hint:
-                    lines.append(f"  - hint: {_md(c.hint)}")
-        lines += [f"- note: {_md(n)}" for n in r.notes] + [""]
-    return "\n".join(lines)
-
-
-def _md(text: str) -> str:
-    return strip_ansi(text).replace("\n", " <br> ").replace("|", "\\|")
+    return "\n".join(lines + [r.markdown() for r in results])
 
 
 def write_feedback(folder: str, submission: str, name: str, executed, original: str,

@@ -1,6 +1,8 @@
-"""Results of a check (what ``check(...)`` returns and ``dpcourse grade`` collects): text, HTML, dict.
+"""Results of a check (what ``check(...)`` returns and ``dpcourse grade`` collects).
 
-Points are the weighted share of criteria credited, never more than the maximum.
+:meth:`CheckResult.said` decides what a result says (headline, one line per criterion, why
+and hint of a failure, notes); text, HTML and Markdown differ only in markup. Points are the
+weighted share of criteria credited, never more than the maximum.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ import html
 import re
 from dataclasses import dataclass, field
 
-DEFAULT_POINTS = 10.0
 NOT_GRADED = "not graded on this machine"  # the outcome of a check this machine cannot run
 NOT_GRADED_STATUS = "not graded"  # dpcourse grade's status of such a result (and its notebook)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
@@ -54,7 +55,7 @@ class CheckResult:
     exercise: str
     title: str
     criteria: list[CriterionResult] = field(default_factory=list)
-    max_points: float = DEFAULT_POINTS
+    max_points: float = 10.0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     not_graded: str | None = None
@@ -62,7 +63,7 @@ class CheckResult:
     @classmethod
     def not_graded_here(cls, spec, why: str) -> "CheckResult":
         """The result of check ``spec`` that this machine cannot run, saying ``why``."""
-        return cls(spec.name, spec.exercise, spec.title or spec.name, [], spec.points, 0.0, [],
+        return cls(spec.name, spec.exercise, spec.title or spec.name, [], spec.points,
                    not_graded=why)
 
     @property
@@ -90,14 +91,6 @@ class CheckResult:
     def all_passed(self) -> bool:
         return self.total > 0 and self.passed == self.total
 
-    def criterion(self, name: str) -> CriterionResult:
-        """Return the criterion called ``name`` (``KeyError`` naming the others if none)."""
-        for c in self.criteria:
-            if c.name == name:
-                return c
-        raise KeyError(f"check {self.check!r} has no criterion {name!r}; it has "
-                       f"{[c.name for c in self.criteria]}.")
-
     def failed(self) -> list[str]:
         return [c.name for c in self.criteria if not c.passed]
 
@@ -110,7 +103,7 @@ class CheckResult:
                 "notes": [strip_ansi(n) for n in self.notes],
                 "not_graded": strip_ansi(self.not_graded) if self.not_graded else None}
 
-    # -- rendering -----------------------------------------------------------
+    # -- what the result says, then each format's markup ---------------------------
     def headline(self) -> str:
         """Return the one-line summary, e.g. ``ring_all_reduce (Exercise 04): 5/7 criteria``."""
         if self.not_graded:
@@ -121,59 +114,74 @@ class CheckResult:
                 f"passed, {verdict}, {self.points:g}/{self.max_points:g} points "
                 f"[{self.seconds:.1f} s]")
 
-    @property
-    def not_implemented(self) -> bool:
-        """True when the run stopped at a ``NotImplementedError`` (an exercise not started)."""
-        return any(n.startswith("not implemented yet") for n in self.notes)
+    def said(self) -> tuple[list[tuple[CriterionResult, list[tuple[str, str]]]],
+                            list[tuple[str, str]]]:
+        """Return ``(rows, notes)``: each criterion with the ``(label, text)`` lines its failure
+        shows (``why``, ``hint``), and the result's ``(label, text)`` notes."""
+        # A run that stopped at a stub: its note says it all, per-criterion causes would not.
+        stub = any(n.startswith("not implemented yet") for n in self.notes)
+        rows = [(c, [] if c.passed or stub else
+                 [(label, text.strip()) for label, text in (("why", c.detail), ("hint", c.hint))
+                  if text.strip()]) for c in self.criteria]
+        notes = [("why", strip_ansi(self.not_graded))] if self.not_graded else []
+        return rows, notes + [("note", strip_ansi(n)) for n in self.notes]
 
     def __str__(self) -> str:
-        lines = [self.headline()]
-        if self.not_graded:
-            lines.append(f"  why: {self.not_graded}")
+        rows, notes = self.said()
         width = max((len(c.name) for c in self.criteria), default=0)
-        for c in self.criteria:
-            mark = "PASS" if c.passed else "FAIL"
-            lines.append(f"  {mark}  {c.name:<{width}}  {c.description}")
-            if not c.passed and not self.not_implemented:  # a stub: the note says it all
-                for label, text in (("why", c.detail), ("hint", c.hint)):
-                    for i, line in enumerate(text.strip().splitlines()):
-                        lines.append(f"        {label + ':' if i == 0 else ' ' * (len(label) + 1)} "
-                                     f"{line}")
-        lines.extend(f"  note: {n}" for n in self.notes)
+        lines = [self.headline()]
+        for c, extra in rows:
+            lines.append(f"  {'PASS' if c.passed else 'FAIL'}  {c.name:<{width}}  "
+                         f"{c.description}")
+            for label, text in extra:
+                for i, line in enumerate(text.splitlines()):
+                    lines.append(f"        {label + ':' if i == 0 else ' ' * (len(label) + 1)} "
+                                 f"{line}")
+        lines += [f"  {label}: {text}" for label, text in notes]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return str(self)
 
     def _repr_html_(self) -> str:
+        rows, notes = self.said()
         color = ("#57606a" if self.not_graded else "#1a7f37" if self.all_passed else "#cf222e")
-        rows = []
-        for c in self.criteria:
-            mark = ("<span style='color:#1a7f37'>&#10004;</span>" if c.passed
-                    else "<span style='color:#cf222e'>&#10008;</span>")
-            extra = ""
-            if not c.passed and not self.not_implemented:
-                extra = "".join(
-                    f"<div style='margin-top:2px'><b>{label}:</b> "
-                    f"<span style='white-space:pre-wrap'>{html.escape(text.strip())}</span></div>"
-                    for label, text in (("why", c.detail), ("hint", c.hint)) if text.strip())
-            rows.append(f"<tr><td style='text-align:center'>{mark}</td>"
-                        f"<td><code>{html.escape(c.name)}</code></td>"
-                        f"<td style='text-align:left'>{html.escape(c.description)}{extra}</td>"
-                        "</tr>")
-        notes = "".join(f"<div style='color:#57606a'>{html.escape(n)}</div>" for n in
-                        ([f"why: {self.not_graded}"] if self.not_graded else []) + self.notes)
+        cells = "".join(
+            f"<tr><td style='text-align:center'><span style='color:"
+            f"{'#1a7f37' if c.passed else '#cf222e'}'>&#{10004 if c.passed else 10008};</span>"
+            f"</td><td><code>{html.escape(c.name)}</code></td>"
+            f"<td style='text-align:left'>{html.escape(c.description)}"
+            + "".join(f"<div style='margin-top:2px'><b>{label}:</b> <span style='white-space:"
+                      f"pre-wrap'>{html.escape(text)}</span></div>" for label, text in extra)
+            + "</td></tr>" for c, extra in rows)
+        lines = "".join(f"<div style='color:#57606a'>"
+                        f"{html.escape(text if label == 'note' else f'{label}: {text}')}</div>"
+                        for label, text in notes)
         return (f"<div><div style='font-weight:bold;color:{color}'>{html.escape(self.headline())}"
-                f"</div><table style='border-collapse:collapse'>{''.join(rows)}</table>"
-                f"{notes}</div>")
+                f"</div><table style='border-collapse:collapse'>{cells}</table>{lines}</div>")
+
+    def markdown(self) -> str:
+        """Return the result as a Markdown section (the feedback notebook's)."""
+        rows, notes = self.said()
+        lines = [f"## {self.headline()}", ""]
+        if rows:
+            lines += ["| | criterion | weight | what it checks |", "|---|---|---|---|"]
+            lines += [f"| {'PASS' if c.passed else 'FAIL'} | `{c.name}` | {c.weight:g} | "
+                      f"{c.description} |" for c, _ in rows] + [""]
+        for c, extra in rows:
+            lines += [f"- **{c.name}**: {_md(text)}" if label == "why" else
+                      f"  - {label}: {_md(text)}" for label, text in extra]
+        return "\n".join(lines + [f"- {label}: {_md(text)}" for label, text in notes] + [""])
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
-
         # check() already showed this report in the same cell: don't show it twice.
         ip = _ipython()
         if ip is None or getattr(self, "_shown_at", None) != ip.execution_count:
-            display({"text/plain": str(self), "text/html": self._repr_html_()}, raw=True)
+            _display(self)
+
+
+def _md(text: str) -> str:
+    return text.replace("\n", " <br> ").replace("|", "\\|")
 
 
 def _ipython():
@@ -184,13 +192,17 @@ def _ipython():
     return get_ipython()
 
 
+def _display(result: CheckResult) -> None:
+    from IPython.display import display
+
+    display({"text/plain": str(result), "text/html": result._repr_html_()}, raw=True)
+
+
 def show(result: CheckResult) -> None:
     """Display ``result`` now: HTML in Jupyter, plain text in a terminal."""
     ip = _ipython()
     if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":
-        from IPython.display import display
-
-        display({"text/plain": str(result), "text/html": result._repr_html_()}, raw=True)
+        _display(result)
     else:
         print(result, flush=True)
     if ip is not None:
