@@ -1,0 +1,233 @@
+"""More of what lessons 11-16 say about torch, NCCL and gloo, asked of torch itself.
+
+Like ``tests/test_torch_facts.py``: every test asks torch (its defaults, its
+optimizers, its layers, its autograd hooks, its process groups), never dpcourse,
+and each names the lesson section whose sentence it backs. Facts that need NCCL
+are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import inspect
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import dpcourse
+from test_torch_facts import _nccl_ranks
+
+
+# --------------------------------------------------------------------------- lesson 11
+
+def test_ddp_finds_no_unused_parameters_and_assumes_no_static_graph_by_default():
+    """Lesson 11, section 3: find_unused_parameters=False and static_graph=False are torch DDP's
+    defaults, so a plain DDP(model) takes the one-bucket first step and the rebuild."""
+    params = inspect.signature(DDP.__init__).parameters
+    assert params["find_unused_parameters"].default is False
+    assert params["static_graph"].default is False
+
+
+@pytest.mark.gpu(2)
+def test_nccl_without_p2p_and_shm_connects_through_its_network_transport(tmp_path):
+    """Lesson 11, section 2: with NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 two GPUs of one host
+    connect through NCCL's network transport: every channel NCCL logs goes "via NET/...", none
+    via P2P or SHM."""
+    env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,P2P",
+           "NCCL_DEBUG_FILE": str(tmp_path / "nccl.%p.log"),
+           "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    _nccl_ranks("""
+        t = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        print(t[0].item())
+    """, tmp_path, env)
+    logs = [p.read_text() for p in tmp_path.glob("nccl.*.log")]
+    assert len(logs) == 2
+    for log in logs:
+        transports = re.findall(r" via (\S+)", log)
+        assert transports, log[-3000:]
+        assert all(t.startswith("NET/") for t in transports), sorted(set(transports))
+
+
+# --------------------------------------------------------------------------- lesson 12
+
+def _barrier_seconds(late_s):
+    """Rank 1 reaches the second barrier ``late_s`` seconds after rank 0: each rank's time in it."""
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        torch.cuda.set_device(dist.get_rank())
+    dist.barrier()                      # both ranks leave this one together
+    if dist.get_rank() == 1:
+        time.sleep(late_s)
+    start = time.perf_counter()
+    dist.barrier()                      # no torch.cuda.synchronize(): what the host waits
+    return time.perf_counter() - start
+
+
+def test_gloo_barrier_returns_only_when_every_rank_has_called_it():
+    """Lesson 12, "The signal-pad barrier": dist.barrier() keeps the calling process (the host)
+    until every rank has called it: rank 0 waits out rank 1's 1.5 s delay."""
+    early, late = dpcourse.run(_barrier_seconds, 1.5, world_size=2, device="cpu")
+    # rank 0 may leave the first barrier a little after rank 1 on a loaded machine; it still
+    # waits most of the 1.5 s, where a barrier that did not wait would take milliseconds
+    assert early > 0.75, (early, late)
+    assert late < early
+
+
+@pytest.mark.gpu(2)
+def test_nccl_barrier_blocks_the_host_until_every_rank_arrives():
+    """Lesson 12, "The signal-pad barrier": over NCCL too, dist.barrier() returns to the host of
+    rank 0 only after rank 1 has called it, 1.5 s later."""
+    early, late = dpcourse.run(_barrier_seconds, 1.5, world_size=2, backend="nccl", timeout=120)
+    assert early > 0.75, (early, late)
+
+
+# --------------------------------------------------------------------------- lesson 13
+
+def _step_whole_and_in_chunks(make_opt, sizes=(4, 4, 2), steps=3):
+    """Step one tensor with one optimizer, and its chunks each with an optimizer of their own."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(sum(sizes), generator=gen)
+    grads = [torch.randn(sum(sizes), generator=gen) for _ in range(steps)]
+    whole = nn.Parameter(start.clone())
+    chunks = [nn.Parameter(c.clone()) for c in start.split(sizes)]
+    opts = [make_opt([whole])] + [make_opt([c]) for c in chunks]
+    for g in grads:
+        whole.grad = g.clone()
+        for c, gc in zip(chunks, g.split(sizes)):
+            c.grad = gc.clone()
+        for opt in opts:
+            opt.step()
+    return whole.detach(), torch.cat([c.detach() for c in chunks])
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+], ids=["adamw", "sgd_momentum"])
+def test_adamw_and_sgd_update_each_element_from_its_own_gradient_and_state(make_opt):
+    """Lesson 13, "Cutting every tensor into N pieces": AdamW and SGD (with momentum and weight
+    decay) give the same bits whether a tensor is stepped whole or cut into chunks, each chunk
+    with an optimizer of its own: where the tensor is cut changes nothing."""
+    whole, chunked = _step_whole_and_in_chunks(make_opt)
+    assert torch.equal(whole, chunked)
+
+
+def test_adamw_step_counter_is_a_4_byte_scalar_per_tensor():
+    """Lesson 13, "One training run, four ways": beside its two moments, AdamW keeps one step
+    counter per parameter tensor, a 0-dimensional float32 tensor of 4 bytes."""
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    assert len(steps) == 4
+    assert all(s.dim() == 0 and s.dtype == torch.float32 and s.element_size() == 4 for s in steps)
+
+
+# --------------------------------------------------------------------------- lesson 14
+
+def _layers():
+    return nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8),
+                         nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)))
+
+
+def test_torch_layers_draw_their_initial_weights_in_reset_parameters():
+    """Lesson 14, "Building a model that never exists whole": torch's Linear, LayerNorm and
+    Embedding draw their initial values in reset_parameters(), so a model built on the meta device
+    and materialised by calling each layer's reset_parameters() in registration order from the
+    same seed equals the normal build exactly."""
+    torch.manual_seed(0)
+    normal = _layers()
+    with torch.device("meta"):
+        lazy = _layers()
+    assert all(p.is_meta for p in lazy.parameters())
+    lazy.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in lazy.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    for (name, a), (_, b) in zip(normal.state_dict().items(), lazy.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+# --------------------------------------------------------------------------- lesson 15
+
+def test_debug_level_is_read_when_torch_distributed_is_imported():
+    """Lesson 15, the helpers: torch reads TORCH_DISTRIBUTED_DEBUG from the environment of the
+    process that imports torch.distributed; setting it later, even before init_process_group,
+    leaves the level OFF."""
+    late = textwrap.dedent("""
+        import os
+        import torch.distributed as dist
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        print(dist.get_debug_level())
+        dist.destroy_process_group()
+    """)
+    early = "import torch.distributed as dist; print(dist.get_debug_level())"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_DEBUG"}
+
+    def level(code, extra):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()[-1]
+
+    assert level(early, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) == "DebugLevel.DETAIL"
+    assert level(late, {}) == "DebugLevel.OFF"
+
+
+# --------------------------------------------------------------------------- lesson 16
+
+def test_torchrun_is_torch_distributed_run():
+    """Lesson 16, the table: the torchrun command is torch.distributed.run's main()."""
+    scripts = importlib.metadata.entry_points(group="console_scripts", name="torchrun")
+    assert [e.value for e in scripts] == ["torch.distributed.run:main"]
+
+
+def test_saved_tensors_hooks_pack_every_tensor_autograd_saves():
+    """Lesson 16, "Activation checkpointing": every tensor autograd saves for backward goes
+    through the pack function of torch.autograd.graph.saved_tensors_hooks, and comes back through
+    unpack when backward needs it. sin(a * b): mul saves a and b, sin saves a * b."""
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.detach().clone())
+        return t
+
+    def unpack(t):
+        unpacked.append(1)
+        return t
+
+    a = torch.randn(5, requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y = torch.sin(a * b)
+    assert len(packed) == 3 and not unpacked
+    for want in (a.detach(), b.detach(), (a * b).detach()):
+        assert sum(torch.equal(t, want) for t in packed) == 1
+    y.sum().backward()
+    assert len(unpacked) == 3
+    assert torch.allclose(a.grad, torch.cos(a * b).detach() * b.detach())
+
+
+def test_ddp_optimizer_documents_that_one_graph_readies_every_gradient_at_once():
+    """Lesson 16, "torch.compile with DDP": DDPOptimizer's documentation says why it splits the
+    graph: one compiled backward makes all gradients ready at the same time, so DDP's hooks fire
+    only after it and no all-reduce overlaps backward compute."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    doc = " ".join(DDPOptimizer.__doc__.split())
+    assert "all gradients become 'ready' at the same time" in doc
+    assert "Hooks fire after the whole fused backward function executes" in doc
+    assert "boundaries of gradient-allreduce buckets" in doc
