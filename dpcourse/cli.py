@@ -2,7 +2,7 @@
 
 This file builds the parser and dispatches. Each subcommand lives in its own
 module (:mod:`dpcourse.doctor`, :mod:`dpcourse.launch.torchrun`,
-:mod:`dpcourse.demo`, :mod:`dpcourse.bench.cli`, :mod:`dpcourse.grade_command`),
+:mod:`dpcourse.demo`, :mod:`dpcourse.bench.cli`, :mod:`dpcourse.grading.autograde`),
 imported only when its command runs, so that ``dpcourse --help`` is instant.
 """
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sandbox", action="store_true", help="run the notebooks' code with "
                    "your own rights where the sandbox (bubblewrap) cannot run; every score is "
                    "marked \"not sandboxed\"")
-    p.set_defaults(func=_command("dpcourse.grade_command", "grade_notebooks"))
+    p.set_defaults(func=_command("dpcourse.grading.autograde", "main"))
     return parser
 
 

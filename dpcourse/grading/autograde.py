@@ -17,9 +17,12 @@ refused unless the instructor passes ``--no-sandbox``; every result then says so
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from unittest import mock
@@ -70,15 +73,12 @@ def _private_tempdir():
 
 
 def not_here_for_grader(spec) -> str | None:
-    """What this machine lacks to grade ``spec``, and where to grade it instead; or ``None``.
-
-    Asked in the grader's own process: a notebook cannot change the answer.
-    """
+    """What this machine lacks to grade ``spec`` and where to grade it instead, or ``None``
+    (asked in the grader's own process: a notebook cannot change the answer)."""
     lack = spec.unavailable_here()
-    if not lack:
-        return None
-    return (f"{lack}. No points were given or taken: grade the exercise {spec.exercise} "
-            f"notebooks again with dpcourse grade on a machine with {spec.needs}.")
+    return lack and (f"{lack}. No points were given or taken: grade the exercise "
+                     f"{spec.exercise} notebooks again with dpcourse grade on a machine with "
+                     f"{spec.needs}.")
 
 
 def _zero(spec, why: str) -> CheckResult:
@@ -182,11 +182,10 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None,
             name = os.path.basename(path)
             notebooks.append(dict(info, notebook=name, path=path, submission=submission,
                                   sandboxed=box is not None))
-            for r in results:
-                status = ("graded" if info["status"] == "ok" else info["status"])
-                rows.append(dict(r.to_dict(), notebook=name, submission=submission,
-                                 status=NOT_GRADED_STATUS if r.not_graded else status,
-                                 sandboxed=box is not None))
+            status = "graded" if info["status"] == "ok" else info["status"]
+            rows += [dict(r.to_dict(), notebook=name, submission=submission,
+                          status=NOT_GRADED_STATUS if r.not_graded else status,
+                          sandboxed=box is not None) for r in results]
             if feedback:
                 gradebook.write_feedback(feedback, submission, name, executed, texts[path],
                                          info, results)
@@ -197,3 +196,66 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None,
             "points": round(sum(r["points"] for r in rows), 1),
             "max_points": sum(gradebook.counted_max(r) for r in rows),
             "not_graded_points": sum(r["max_points"] - gradebook.counted_max(r) for r in rows)}
+
+
+def _exit_on_termination() -> None:
+    """Turn SIGTERM and SIGHUP into ``SystemExit``, so that the grader's clean-up runs: its
+    kernels and ranks live in sessions of their own, which a signal to the grader misses."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def _unwritable(folder: str) -> str | None:
+    if not os.path.isdir(folder):
+        return f"{folder} {'is not a directory' if os.path.exists(folder) else 'does not exist'}"
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        return f"{folder} is not writable ({exc.strerror})"
+    return None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before minutes of grading, an output path that could not be written afterwards."""
+    for flag in ("--json", "--csv", "--lms-csv", "--feedback"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if flag == "--feedback":
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise UsageError(f"grade: {flag} {path} is a file; give a directory")
+            folder = os.path.abspath(path)
+            while not os.path.exists(folder):  # created with its missing parents
+                folder = os.path.dirname(folder)
+        elif os.path.isdir(path):
+            raise UsageError(f"grade: {flag} {path} is a directory; give a file name")
+        if why := _unwritable(folder):
+            raise UsageError(f"grade: {flag} {path} cannot be written: {why}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``dpcourse grade``: grade, print the table, write the files asked for; 2 on bad input."""
+    from dpcourse.grading import gradebook
+
+    check_outputs(args)
+    _exit_on_termination()
+    try:
+        report = grade(args.paths, timeout=args.timeout, feedback=args.feedback,
+                       sandbox=not args.no_sandbox)
+    except UsageError as exc:
+        print(f"dpcourse grade: error: {exc}", file=sys.stderr)
+        return 2
+    print(gradebook.score_table(report))
+    for flag, path, write in (("--json", args.json, gradebook.write_json),
+                              ("--csv", args.csv, gradebook.write_csv),
+                              ("--lms-csv", args.lms_csv, gradebook.write_lms_csv)):
+        if path:
+            write(report, path)
+            print(f"{flag}: written to {path}")
+    if args.feedback:
+        print(f"--feedback: one .feedback.ipynb and .html per notebook in {args.feedback}")
+    return 0

@@ -8,7 +8,7 @@ check zero (code that hands the work to something else earns nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,13 +35,12 @@ class Criterion:
 
 def no_deadlock(needs: str) -> Criterion:
     """The standard "every rank finishes" criterion, credited once ``needs`` passes."""
-    return Criterion(NO_DEADLOCK.name, NO_DEADLOCK.description, NO_DEADLOCK.hint, needs=(needs,))
+    return replace(NO_DEADLOCK, needs=(needs,))
 
 
 def no_delegation(needs: str) -> Criterion:
     """The standard "does the work itself" gate, credited once ``needs`` passes."""
-    return Criterion(NO_DELEGATION.name, NO_DELEGATION.description, NO_DELEGATION.hint,
-                     needs=(needs,), gate=True)
+    return replace(NO_DELEGATION, needs=(needs,))
 
 
 NO_DEADLOCK = Criterion(
@@ -55,7 +54,7 @@ NO_DELEGATION = Criterion(
     "Write the mechanism with torch and torch.distributed's public functions. Graded code may "
     "not wrap torch.nn.parallel.DistributedDataParallel, import the dpcourse implementation of "
     "what you are asked to build, or use exec/eval, gc, inspect, sys, os, frames or private "
-    "attributes of modules.")
+    "attributes of modules.", gate=True)
 
 # (rtol, atol) per dtype and backend. "vs_ddp": same data on each rank, only the
 # order of the gradient sum differs, so a few ulps. "vs_single": one process on

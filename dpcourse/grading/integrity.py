@@ -37,37 +37,24 @@ class PackageSnapshot:
 
     def restore(self) -> list[str]:
         """Put back what changed since the snapshot; return the source files that had changed."""
-        now = _walk(self.root)
-        changed = []
-        for rel, data in now.items():
-            path = os.path.join(self.root, rel)
-            if "__pycache__" in rel:
-                if self.files.get(rel) != data:
-                    # A cache may be forged to match its source's size and time: drop any
-                    # written since (Python compiles the source again on the next import).
-                    _remove(path)
+        now, changed = _walk(self.root), []
+        for rel in sorted(set(now) | set(self.files)):
+            was, path = self.files.get(rel), os.path.join(self.root, rel)
+            if now.get(rel) == was:
                 continue
-            if self.files.get(rel) != data:
+            if "__pycache__" not in rel:
                 changed.append(rel)
-                if rel in self.files:
-                    _write(path, self.files[rel])
-                else:
-                    _remove(path)
-        for rel, data in self.files.items():
-            if rel not in now and "__pycache__" not in rel:
-                changed.append(rel)
-                os.makedirs(os.path.dirname(os.path.join(self.root, rel)), exist_ok=True)
-                _write(os.path.join(self.root, rel), data)
-        return sorted(changed)
-
-
-def _write(path: str, data: bytes) -> None:
-    with contextlib.suppress(OSError):  # a file the notebook made read-only
-        os.chmod(path, 0o644)
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
+            elif rel not in now:
+                continue
+            if was is None or "__pycache__" in rel:
+                # A cache may be forged to match its source's size and time: drop any
+                # written since (Python compiles the source again on the next import).
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+                continue
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with contextlib.suppress(OSError):  # a file the notebook made read-only
+                os.chmod(path, 0o644)
+            with open(path, "wb") as f:
+                f.write(was)
+        return changed

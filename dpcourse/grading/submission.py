@@ -41,25 +41,14 @@ def _transform(source: str) -> str:
         return source
 
 
-def _has_call(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Call) for n in ast.walk(node))
-
-
-def _dropped_import(stmt) -> bool:
-    if isinstance(stmt, ast.ImportFrom) and stmt.level == 0:
-        return all((stmt.module, a.name) in ALWAYS_DROPPED for a in stmt.names)
-    return False
-
-
 def keep(stmt: ast.stmt) -> bool:
     """True for the statements graded code consists of (definitions, imports, plain values)."""
-    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return True
-    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-        return not _dropped_import(stmt)
+    if isinstance(stmt, ast.ImportFrom) and stmt.level == 0:
+        return not all((stmt.module, a.name) in ALWAYS_DROPPED for a in stmt.names)
     if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
-        return not _has_call(stmt.value)
-    return False
+        return not any(isinstance(n, ast.Call) for n in ast.walk(stmt.value))
+    return isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import,
+                             ast.ImportFrom))
 
 
 def extract(sources: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -211,6 +200,9 @@ def policy_findings(cells: list[tuple[str, str]], roots=(), allowed_imports: dic
 
 
 def _check_node(node, add, roots: set, allowed: dict, forbid_torch_ddp: bool) -> None:
+    if forbid_torch_ddp and isinstance(node, (ast.Attribute, ast.Name, ast.alias)) and \
+            "DistributedDataParallel" in (getattr(node, n, None) for n in ("attr", "id", "name")):
+        add(node, "uses torch's DistributedDataParallel")
     if isinstance(node, ast.Import):
         for a in node.names:
             if m := _module_denied(a.name, [], allowed):
@@ -236,16 +228,8 @@ def _check_node(node, add, roots: set, allowed: dict, forbid_torch_ddp: bool) ->
         elif node.attr.startswith("_") and not node.attr.startswith("__") and \
                 isinstance(root, ast.Name) and root.id in roots:
             add(node, f"uses the private {root.id}...{node.attr}")
-        elif forbid_torch_ddp and node.attr == "DistributedDataParallel":
-            add(node, "uses torch's DistributedDataParallel")
-    elif isinstance(node, ast.Name):
-        if node.id in DENIED_NAMES:
-            add(node, f"uses {node.id}")
-        elif forbid_torch_ddp and node.id == "DistributedDataParallel":
-            add(node, "uses torch's DistributedDataParallel")
-    elif isinstance(node, ast.alias) and node.name == "DistributedDataParallel" and \
-            forbid_torch_ddp:
-        add(node, "uses torch's DistributedDataParallel")
+    elif isinstance(node, ast.Name) and node.id in DENIED_NAMES:
+        add(node, f"uses {node.id}")
 
 
 def load(cells: list[tuple[str, str]], names: dict, builtins_table: dict) -> dict:
