@@ -78,17 +78,17 @@ def test_the_rule_is_the_one_partition_its_definition_allows():
 def test_torchs_rule_keeps_the_crossing_gradient_and_fails_the_check():
     """torch's helper, on the grader's own cases, is lesson 05's rule and not the exercise's."""
     from dpcourse.grading import oracles
-    from dpcourse.grading.checks import ddp_common as d
+    from dpcourse.grading.checks import bucket_cases as b
 
     for seed in range(5):
         spec, inputs = _cases(seed)
         outputs = []
         for case in inputs[0]["cases"]:
-            got = _torch_buckets(d.zero_params(case["sizes"], case["dtype"]), case["cap"] * MIB)
-            assert got == oracles.buckets(d.case_nbytes(case), case["cap"])  # lesson 05's rule
+            got = _torch_buckets(b.zero_params(case["sizes"], case["dtype"]), case["cap"] * MIB)
+            assert got == oracles.buckets(b.case_nbytes(case), case["cap"])  # lesson 05's rule
             outputs.append(got)
         parted = {c["crit"] for c, got in zip(inputs[0]["cases"], outputs)
-                  if got != buckets_within_cap(d.case_nbytes(c), c["cap"])}
+                  if got != buckets_within_cap(b.case_nbytes(c), c["cap"])}
         assert {"never_over_cap", "oversized_alone", "counts_bytes_not_elements"} <= parted
         recs = spec.judge(1, inputs, [outputs], [])
         lost = {r.criterion for r in recs if not r.passed}
@@ -203,11 +203,11 @@ def test_each_planted_mistake_loses_the_criteria_of_its_cause(bug, lost, maybe, 
 @PLANTED
 def test_on_many_random_models_each_mistake_gets_the_same_verdicts(bug, lost, maybe, hints):
     """The grader's judge on 100 seeds' cases, the mistake called in this process."""
-    from dpcourse.grading.checks import ddp_common as d
+    from dpcourse.grading.checks import bucket_cases as b
 
     for seed in range(100):
         spec, inputs = _cases(seed)
-        outputs = [d.index_lists(bug(d.zero_params(c["sizes"], c["dtype"]), c["cap"]))
+        outputs = [b.index_lists(bug(b.zero_params(c["sizes"], c["dtype"]), c["cap"]))
                    for c in inputs[0]["cases"]]
         shown = {}
         for r in spec.judge(1, inputs, [outputs], []):  # a criterion shows its first failure

@@ -20,6 +20,7 @@ import torch
 from dpcourse.grading import check
 from dpcourse.grading.checks import get_spec
 from dpcourse.grading.checks import ex13_sharded_step as ex
+from dpcourse.grading.checks import zero_verdicts
 from dpcourse.grading.runner import run_check
 from dpcourse.grading.submission import extract
 from notebook_helpers import notebook_module
@@ -86,7 +87,7 @@ def test_the_checks_reference_is_what_torch_computes(world_size):
     inputs = spec.make_inputs(random.Random(world_size), world_size)
     batches = [(torch.cat([i["batches"][s][0] for i in inputs]),
                 torch.cat([i["batches"][s][1] for i in inputs])) for s in range(ex.STEPS)]
-    want = ex.single_process(inputs[0]["seed"], batches, batches)["params"]
+    want = zero_verdicts.single_process(inputs[0]["seed"], batches, batches)["params"]
     per_rank = [i["batches"] for i in inputs]
     for got in dpcourse.run(_torch_zero_no_sync, inputs[0]["seed"], per_rank,
                             world_size=world_size, device="cpu"):

@@ -53,6 +53,7 @@ class Exercise:
             inputs, outputs, events)`` is this check's :meth:`judge`, if it has one.
         needs: the hardware the check runs on, when it needs more than CPUs (e.g. "at least
             2 NVLink-connected GPUs"); :meth:`unavailable_here` says when this machine lacks it.
+        error_hints: ``(phrases, hint)`` pairs, most specific first, for :meth:`explain`.
     """
 
     name = ""
@@ -71,6 +72,7 @@ class Exercise:
     notes: tuple[str, ...] = ()
     verdicts = ""
     needs = ""
+    error_hints: tuple[tuple[tuple[str, ...], str], ...] = ()
 
     def unavailable_here(self) -> str | None:
         """Return what this machine lacks to run the check (a sentence), or ``None``.
@@ -94,7 +96,8 @@ class Exercise:
         """Call the learner's definitions (``learner[role]``) on ``inputs``; return outputs."""
         raise NotImplementedError
 
-    def judge(self, world_size: int, inputs: list, outputs: list, events: list) -> list[CaseVerdict]:
+    def judge(self, world_size: int, inputs: list, outputs: list,
+              events: list) -> list[CaseVerdict]:
         """Compare every rank's ``outputs`` (and message ``events``) with the oracles."""
         if not self.verdicts:
             raise NotImplementedError
@@ -107,8 +110,12 @@ class Exercise:
         return recs
 
     def explain(self, text: str) -> str:
-        """Return a hint for an error the learner's code raised, or ``""``."""
-        return ""
+        """Return a hint for an error the learner's code raised, or ``""``.
+
+        The hint is that of the first ``error_hints`` pair whose phrases all occur in ``text``.
+        """
+        return next((hint for phrases, hint in self.error_hints
+                     if all(phrase in text for phrase in phrases)), "")
 
 
 def begin(link, case: str) -> None:

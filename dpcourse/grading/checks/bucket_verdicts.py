@@ -16,7 +16,7 @@ Only the grader's process imports this module (graded ranks cannot import a
 from __future__ import annotations
 
 from dpcourse.grading import oracles
-from dpcourse.grading.checks import ddp_common as d
+from dpcourse.grading.checks import bucket_cases
 from dpcourse.grading.checks.base import CaseVerdict, failed
 
 MIB = 2**20
@@ -120,10 +120,10 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     """Judge every case: the float32 ones by the rule's parts, the others by bytes."""
     recs, later = [], []
     for case, got in zip(inputs[0]["cases"], outputs[0]):
-        nbytes, cap = d.case_nbytes(case), case["cap"] * MIB
+        nbytes, cap = bucket_cases.case_nbytes(case), case["cap"] * MIB
         n = len(nbytes)
         name = f"{n} {case['dtype']} gradients of {case['sizes']} elements, cap {cap:.0f} bytes"
-        if (wrong := d.not_index_lists(got, case["crit"], name)) is not None:
+        if (wrong := bucket_cases.not_index_lists(got, case["crit"], name)) is not None:
             recs.append(wrong)
             continue
         if case["dtype"] != "float32":

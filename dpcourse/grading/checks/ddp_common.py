@@ -5,8 +5,7 @@ start-up broadcast shows), trains it for a few SGD steps on its shard of fresh
 random batches, and returns its gradients and parameters after each step.
 The grader computes what DDP computes, and what one process on the whole batch
 computes (:func:`dpcourse.grading.oracles.train_reference`), and compares.
-The bucket checks (05, 06) share how a case's parameters are built, how the
-learner's buckets travel back, and how one step's all-reduces are judged.
+The overlap checks (06) judge one step's all-reduces with :func:`overlap_records`.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
+from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
 from dpcourse.grading.criteria import Criterion, mismatch, tolerance
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
@@ -25,7 +25,6 @@ BATCH = 4     # samples per rank and micro-batch
 STEPS = 3
 LR = 0.05
 MIB = 2**20
-DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 C_BROADCAST = Criterion(
     "initial_broadcast", "after construction every rank holds rank 0's parameters",
@@ -46,16 +45,6 @@ C_SINGLE = Criterion(
     "steps, so a drift from it means the ranks' gradients were not combined into their mean "
     "before the update.", weight=2)
 LATER_STEP = "the earlier steps' gradients were right"
-NONE_GRAD_HINT = (
-    "p.grad is None inside your hook: a hook registered with register_hook runs before the "
-    "gradient is accumulated into p.grad (it receives the gradient as its argument), so it "
-    "fired too early to read p.grad; lesson 06 names the kind of hook that runs after.")
-
-
-TOLERANCE_NOTE = (f"tolerances (rtol, atol), float32: vs DDP "
-                  f"{tolerance('gloo', torch.float32, 'vs_ddp')}, vs one process "
-                  f"{tolerance('gloo', torch.float32, 'vs_single')}; fresh random seeds and "
-                  "batches on each run")
 
 
 def make_model(seed: int) -> nn.Sequential:
@@ -72,9 +61,9 @@ def param_bytes() -> list[int]:
 def make_inputs(rng, world_size: int, accumulation: int, runs: list[dict]) -> list[dict]:
     """Fresh seeds and batches; rank r gets only its own seed and shard."""
     seeds = [rng.getrandbits(31) for _ in range(world_size)]
-    gen = torch.Generator().manual_seed(rng.getrandbits(62))
-    batches = [[[(torch.randn(BATCH, IN, generator=gen), torch.randn(BATCH, OUT, generator=gen))
-                 for _ in range(accumulation)] for _ in range(world_size)] for _ in range(STEPS)]
+    gen = torch_generator(rng)
+    batches = [[regression_batches(gen, accumulation, BATCH, IN, OUT) for _ in range(world_size)]
+               for _ in range(STEPS)]
     return [{"seed": seeds[r], "runs": runs, "batches": [batches[s][r] for s in range(STEPS)]}
             for r in range(world_size)]
 
@@ -94,20 +83,15 @@ def default_step(model, optimizer, micro_batches, loss_fn) -> None:
     optimizer.step()
 
 
-def mark_first_layer(link, layer: nn.Module) -> None:
-    """Put a mark on the grader's record each time backward reaches ``layer``'s output."""
+def _instrument(link, first_layer: nn.Module, wrapped) -> None:
+    """Mark when backward reaches the first layer, when finish runs, and no_sync's window."""
     def on_grad(grad):
         link.mark("first_layer_backward")  # returns None: the gradient is left unchanged
 
     def mark(module, inputs, output):
         if output.requires_grad:
             output.register_hook(on_grad)
-    layer.register_forward_hook(mark)
-
-
-def _instrument(link, first_layer: nn.Module, wrapped) -> None:
-    """Mark when backward reaches the first layer, when finish runs, and no_sync's window."""
-    mark_first_layer(link, first_layer)
+    first_layer.register_forward_hook(mark)
     finish = getattr(wrapped, "finish_gradient_synchronization", None)
     if callable(finish):
         def marked_finish(*args, **kwargs):
@@ -229,15 +213,29 @@ def later_step_cause(rec: CaseVerdict) -> str:
             "from all-reducing the next steps' gradients. Every step must average anew.")
 
 
-def explain(text: str) -> str:
-    """Hints for errors learner wrappers commonly raise."""
-    if "'NoneType' object has no attribute" in text:
-        return NONE_GRAD_HINT
-    if "Default process group has not been initialized" in text:
-        return ("Something in your code used torch's own process group (torch DDP, or a course "
-                "reference), which does not exist while your code is graded: communicate with "
-                "dist.all_reduce / dist.broadcast yourself.")
-    return ""
+def overlap_records(events: list, case: str) -> tuple[list[int], list[CaseVerdict]]:
+    """Judge one step's all-reduces: their sizes in issue order, and whether they overlap.
+
+    Returns:
+        The sizes (bytes), and records of ``starts_during_backward`` (the first all-reduce
+        is issued before backward reaches the first layer) and ``no_serialising_wait``
+        (every all-reduce is asynchronous and issued before the first wait).
+    """
+    order = [e for e in events if e["op"] in ("all_reduce", "wait", "mark")]
+    colls = [k for k, e in enumerate(order) if e["op"] == "all_reduce"]
+    marks = [k for k, e in enumerate(order) if e.get("label") == "first_layer_backward"]
+    recs = [CaseVerdict("starts_during_backward", bool(colls and marks and colls[0] < marks[-1]),
+                        "no all-reduce was issued before backward reached the first layer", case)]
+    waits = [k for k, e in enumerate(order) if e["op"] == "wait"]
+    blocking = [k for k in colls if not order[k]["async_op"]]
+    detail = ""
+    if blocking:
+        detail = f"{len(blocking)} all-reduce(s) were blocking (async_op=False)"
+    elif colls and waits and waits[0] < colls[-1]:
+        detail = ("a bucket was waited on before the next bucket was issued: the waits "
+                  "serialise communication with backward")
+    recs.append(CaseVerdict("no_serialising_wait", not detail, detail, case))
+    return [order[k]["nbytes"] for k in colls], recs
 
 
 class DDPExercise(Exercise):
@@ -253,64 +251,22 @@ class DDPExercise(Exercise):
     timeout = 45.0
     runs: tuple[dict, ...] = ({},)
     accumulation = 1
-    notes = (TOLERANCE_NOTE,)
+    notes = (f"tolerances (rtol, atol), float32: vs DDP "
+             f"{tolerance('gloo', torch.float32, 'vs_ddp')}, vs one process "
+             f"{tolerance('gloo', torch.float32, 'vs_single')}; fresh random seeds and "
+             "batches on each run",)
+    error_hints = (
+        (("'NoneType' object has no attribute",),
+         "p.grad is None inside your hook: a hook registered with register_hook runs before the "
+         "gradient is accumulated into p.grad (it receives the gradient as its argument), so it "
+         "fired too early to read p.grad; lesson 06 names the kind of hook that runs after."),
+        (("Default process group has not been initialized",),
+         "Something in your code used torch's own process group (torch DDP, or a course "
+         "reference), which does not exist while your code is graded: communicate with "
+         "dist.all_reduce / dist.broadcast yourself."),
+    )
     rank_run = staticmethod(rank_train)
 
     def make_inputs(self, rng, world_size):
         return make_inputs(rng, world_size, self.accumulation, list(self.runs))
 
-    def explain(self, text):
-        return explain(text)
-
-
-# -- bucket checks (05, 06) -----------------------------------------------------------------
-def zero_params(sizes, dtype: str, frozen=()) -> list[nn.Parameter]:
-    """Zero parameters of ``sizes`` elements of ``dtype``; those at ``frozen`` need no gradient."""
-    return [nn.Parameter(torch.zeros(n, dtype=DTYPES[dtype]), requires_grad=i not in frozen)
-            for i, n in enumerate(sizes)]
-
-
-def case_nbytes(case: dict) -> list[int]:
-    """Bytes of each parameter of a bucket case (``{"sizes", "dtype"}``)."""
-    return [n * DTYPES[case["dtype"]].itemsize for n in case["sizes"]]
-
-
-def index_lists(got) -> list | dict:
-    """The learner's buckets as lists of ints, or ``{"type": ...}`` when they are not lists."""
-    try:
-        return [[int(i) for i in b] for b in got]
-    except TypeError:
-        return {"type": type(got).__name__}
-
-
-def not_index_lists(got, criterion: str, case: str) -> CaseVerdict | None:
-    """A failed record when the learner's buckets did not come back as lists, else ``None``."""
-    if isinstance(got, list):
-        return None
-    return CaseVerdict(criterion, False, f"expected a list of lists of indices, got {got['type']}",
-                  case)
-
-
-def overlap_records(events: list, case: str) -> tuple[list[int], list[CaseVerdict]]:
-    """Judge one step's all-reduces: their sizes in issue order, and whether they overlap.
-
-    Returns:
-        The sizes (bytes), and records of ``starts_during_backward`` (the first all-reduce
-        is issued before backward reaches the first layer) and ``no_serialising_wait``
-        (every all-reduce is asynchronous and issued before the first wait).
-    """
-    order = [e for e in events if e["op"] in ("all_reduce", "wait", "mark")]
-    colls = [k for k, e in enumerate(order) if e["op"] == "all_reduce"]
-    marks = [k for k, e in enumerate(order) if e.get("label") == "first_layer_backward"]
-    recs = [CaseVerdict("starts_during_backward", bool(colls and marks and colls[0] < marks[-1]),
-                   "no all-reduce was issued before backward reached the first layer", case)]
-    waits = [k for k, e in enumerate(order) if e["op"] == "wait"]
-    blocking = [k for k in colls if not order[k]["async_op"]]
-    detail = ""
-    if blocking:
-        detail = f"{len(blocking)} all-reduce(s) were blocking (async_op=False)"
-    elif colls and waits and waits[0] < colls[-1]:
-        detail = ("a bucket was waited on before the next bucket was issued: the waits "
-                  "serialise communication with backward")
-    recs.append(CaseVerdict("no_serialising_wait", not detail, detail, case))
-    return [order[k]["nbytes"] for k in colls], recs

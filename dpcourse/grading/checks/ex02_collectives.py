@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
+from dpcourse.grading.checks.random_inputs import torch_generator
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
 
@@ -84,9 +85,16 @@ class UnevenAllGather(Exercise):
     )
     notes = ("compared exactly with the grader's concatenation of every rank's tensor; fresh "
              "random lengths and values on each run",)
+    error_hints = ((("disagree on collective",),
+                    "The ranks passed tensors of different sizes to one collective: in a "
+                    "broadcast every rank, sender and receivers alike, must pass a tensor of the "
+                    "sender's number of elements and dtype, and in an all-reduce all ranks the "
+                    "same."),
+                   (("longest length times",),
+                    "The result still carries the room reserved for the longest piece."))
 
     def make_inputs(self, rng, world_size):
-        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        gen = torch_generator(rng)
         per_rank = [{"cases": []} for _ in range(world_size)]
         for crit, dtype in CASES:
             lengths = case_lengths(crit, world_size, rng)
@@ -117,7 +125,7 @@ class UnevenAllGather(Exercise):
                 recs += self._compare(got, pieces, r, case["crit"], label)
                 changed = mismatch(outputs[r][k]["after"], pieces[r], 0, 0)
                 recs.append(CaseVerdict("inputs_unchanged", not changed,
-                                   f"rank {r}'s tensor afterwards: {changed}", label))
+                                        f"rank {r}'s tensor afterwards: {changed}", label))
         return recs
 
     @staticmethod
@@ -140,27 +148,17 @@ class UnevenAllGather(Exercise):
             return fail(elements, f"returned {len(got)} elements{padded}, expected {len(want)}, "
                                   f"the sum of the ranks' lengths {lengths}")
         dtype = CaseVerdict("keeps_dtype", got.dtype == want.dtype, f"rank {rank} returned "
-                       f"{str(got.dtype)[6:]} for {str(want.dtype)[6:]} pieces", label)
+                            f"{str(got.dtype)[6:]} for {str(want.dtype)[6:]} pieces", label)
         g, w = got.double(), want.double()
         if torch.equal(g, w):
-            return [CaseVerdict(elements, True, "", label), CaseVerdict("rank_order", True, "", label),
-                    dtype]
+            return [CaseVerdict(elements, True, "", label),
+                    CaseVerdict("rank_order", True, "", label), dtype]
         if sorted(g.tolist()) == sorted(w.tolist()):
             return [CaseVerdict(elements, True, "", label), dtype,
-                    CaseVerdict("rank_order", False, f"rank {rank} holds every rank's elements, but "
-                           f"not in rank order", label)]
+                    CaseVerdict("rank_order", False, f"rank {rank} holds every rank's elements, "
+                                "but not in rank order", label)]
         if want.dtype != torch.float32 and torch.equal(g, want.float().double()):
             return [CaseVerdict(elements, True, "", label), dtype,
                     CaseVerdict("keeps_dtype", False, f"rank {rank}'s values are the float32 "
-                           f"roundings of the {str(want.dtype)[6:]} pieces", label)]
+                                f"roundings of the {str(want.dtype)[6:]} pieces", label)]
         return fail(elements, f"holds other values: {mismatch(g, w, 0, 0)}")
-
-    def explain(self, text):
-        if "disagree on collective" in text:
-            return ("The ranks passed tensors of different sizes to one collective: in a "
-                    "broadcast every rank, sender and receivers alike, must pass a tensor of the "
-                    "sender's number of elements and dtype, and in an all-reduce all ranks the "
-                    "same.")
-        if "longest length times" in text:
-            return "The result still carries the room reserved for the longest piece."
-        return ""

@@ -10,11 +10,10 @@ did not state. The verdicts live in :mod:`dpcourse.grading.checks.bucket_verdict
 
 from __future__ import annotations
 
-from dpcourse.grading.checks import ddp_common as d
+from dpcourse.grading.checks import bucket_cases
 from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.ddp_common import MIB
 from dpcourse.grading.criteria import Criterion, no_delegation
-
-MIB = d.MIB
 
 
 class AssignBuckets(Exercise):
@@ -46,7 +45,6 @@ class AssignBuckets(Exercise):
                   "and an element's bytes depend on the dtype.", weight=2),
         no_delegation("never_over_cap"),
     )
-    allowed_imports: dict = {}
     verdicts = "dpcourse.grading.checks.bucket_verdicts"
     notes = ("cases are fresh random parameter sizes on each run",)
 
@@ -78,7 +76,7 @@ class AssignBuckets(Exercise):
     def rank_run(link, learner, inputs):
         assign, out = learner["main"], []
         for case in inputs["cases"]:
-            params = d.zero_params(case["sizes"], case["dtype"])
+            params = bucket_cases.zero_params(case["sizes"], case["dtype"])
             begin(link, case["crit"])
-            out.append(d.index_lists(assign(params, case["cap"])))
+            out.append(bucket_cases.index_lists(assign(params, case["cap"])))
         return out

@@ -12,7 +12,7 @@ the buckets a real torch DDP run all-reduces.
 
 from __future__ import annotations
 
-from dpcourse.grading.checks import ddp_common as d
+from dpcourse.grading.checks import bucket_cases, ddp_common as d
 from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
 from dpcourse.grading.criteria import Criterion, no_delegation
 
@@ -67,10 +67,10 @@ class FirstBucket(Exercise):
     def rank_run(link, learner, inputs):
         assign, out = learner["main"], []
         for case in inputs["cases"]:
-            params = d.zero_params(case["sizes"], case["dtype"], case["frozen"])
+            params = bucket_cases.zero_params(case["sizes"], case["dtype"], case["frozen"])
             begin(link, "matches_torch_rule")
             got = assign(params, bucket_cap_mb=case["cap"], first_bucket_mb=case["first"])
-            out.append(d.index_lists(got))
+            out.append(bucket_cases.index_lists(got))
         return out
 
     def judge(self, ws, inputs, outputs, events):
@@ -78,13 +78,13 @@ class FirstBucket(Exercise):
 
         recs = []
         for case, got in zip(inputs[0]["cases"], outputs[0]):
-            nbytes = d.case_nbytes(case)
+            nbytes = bucket_cases.case_nbytes(case)
             trainable = [i not in case["frozen"] for i in range(len(nbytes))]
             name = (f"{case['sizes']} elements of {case['dtype']}"
                     + (f", frozen {case['frozen']}" if case["frozen"] else "")
                     + f", cap {case['cap'] * MIB:g} B, first {case['first'] * MIB:g} B")
             want = buckets_with_first(nbytes, trainable, case["cap"], case["first"])
-            if (wrong := d.not_index_lists(got, "matches_torch_rule", name)) is not None:
+            if (wrong := bucket_cases.not_index_lists(got, "matches_torch_rule", name)) is not None:
                 recs.append(wrong)
                 continue
             flat = [i for b in got for i in b]

@@ -17,12 +17,15 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, DistModule
 
 IN, HIDDEN, MID, OUT = 8, 16, 12, 4
 BATCH, LR = 4, 0.05
 BUCKET_CAP_MB = 200 / 2**20  # two buckets of the trainable parameters: [fc3], [fc1]
+JOINABLE_INIT_HINT = ("The wrapper's constructor must also run Joinable's constructor: it sets "
+                      "the state Join fills in.")
 # (name, batches per rank, divide_by_initial_world_size), per world size.
 CASES = {
     2: (("equal counts", (3, 3), True),
@@ -173,47 +176,42 @@ class JoinShadow(Exercise):
              f"{tolerance('gloo', torch.float32, 'vs_ddp')}: the ranks' gradients are added in "
              "another order than gloo's, which changes float32 sums by a few ulps; any wrong "
              "divisor, missing shadow or stale copy is far larger. Fresh random data on each run",)
+    error_hints = (
+        (("disagree on collective number", "all_reduce of 4 bytes"),
+         "An all-reduce of 4 bytes against a larger one: a rank without data was already in "
+         "Join's next one-element round ('does anyone still have data?') while another rank "
+         "synchronised a bucket, so main_hook issued fewer collectives than a step of the "
+         "others (or none)."),
+        (("disagree on collective number", "broadcast"),
+         "A broadcast against another collective: post_hook runs on every rank, whether it "
+         "joined early or last, and all of them must take part in the same agreement on the "
+         "source rank and in the same broadcasts, in order."),
+        (("disagree on collective number",),
+         "The ranks issued different collectives at the same point: compare what a rank "
+         "without data issues in main_hook with what the others issue in a step "
+         "(notify_join_context's all-reduce in forward, answered by Join itself, then one "
+         "all-reduce per bucket)."),
+        (("not finished after",),
+         "The named rank waited in a collective that another rank never issued: either a rank "
+         "left Join while others still trained (main_hook must shadow every collective of "
+         "their step), or forward did not notify the join context, so Join never learnt that "
+         "ranks still had data."),
+        (("_join_config",), JOINABLE_INIT_HINT),
+        (("calls the ``Joinable`` constructor",), JOINABLE_INIT_HINT),
+        (("abstract",),
+         "Joinable is an abstract class: the wrapper must define join_hook, and join_device "
+         "and join_process_group as properties."),
+    )
 
     def make_inputs(self, rng, world_size):
         seeds = [rng.getrandbits(31) for _ in range(world_size)]
-        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        gen = torch_generator(rng)
         per_rank = [{"seed": seeds[r], "cases": []} for r in range(world_size)]
         for name, counts, divide in CASES[world_size]:
             for r in range(world_size):
-                batches = [(torch.randn(BATCH, IN, generator=gen),
-                            torch.randn(BATCH, OUT, generator=gen)) for _ in range(counts[r])]
-                per_rank[r]["cases"].append({"case": name, "divide": divide,
-                                             "batches": batches})
+                per_rank[r]["cases"].append({"case": name, "divide": divide, "batches":
+                                             regression_batches(gen, counts[r], BATCH, IN, OUT)})
         return per_rank
 
     rank_run = staticmethod(train_under_join)
     verdicts = "dpcourse.grading.checks.join_verdicts"
-
-    def explain(self, text):
-        if "disagree on collective number" in text and "all_reduce of 4 bytes" in text:
-            return ("An all-reduce of 4 bytes against a larger one: a rank without data was "
-                    "already in Join's next one-element round ('does anyone still have data?') "
-                    "while another rank synchronised a bucket, so main_hook issued fewer "
-                    "collectives than a step of the others (or none).")
-        if "disagree on collective number" in text and "broadcast" in text:
-            return ("A broadcast against another collective: post_hook runs on every rank, "
-                    "whether it joined early or last, and all of them must take part in the "
-                    "same agreement on the source rank and in the same broadcasts, in order.")
-        if "disagree on collective number" in text:
-            return ("The ranks issued different collectives at the same point: compare what "
-                    "a rank without data issues in main_hook with what the others issue in a "
-                    "step (notify_join_context's all-reduce in forward, answered by Join "
-                    "itself, then one all-reduce per bucket).")
-        if "not finished after" in text:
-            return ("The named rank waited in a collective that another rank never issued: "
-                    "either a rank left Join while others still trained (main_hook must shadow "
-                    "every collective of their step), or forward did not notify the join "
-                    "context, so Join never learnt that ranks still had data.")
-        if "_join_config" in text or "calls the ``Joinable`` constructor" in text:
-            return ("The wrapper's constructor must also run Joinable's constructor: it sets "
-                    "the state Join fills in.")
-        if "abstract" in text:
-            return ("Joinable is an abstract class: the wrapper must define join_hook, and "
-                    "join_device and join_process_group as properties.")
-        return ""
-

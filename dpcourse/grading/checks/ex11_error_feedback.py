@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.random_inputs import torch_generator
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
 
@@ -29,6 +30,8 @@ SIZES = tuple(sum(PARAMS[p] for p in b) for b in BUCKETS)   # elements per bucke
 STEPS = 12
 DTYPE = torch.bfloat16
 TRACKING = 0.5        # the feedback run's drift must stay under this share of torch's hook's
+EMPTY_STATE_HINT = ("state starts empty: on a bucket's first step there is no residual yet, so it "
+                    "starts from zeros of the bucket's size.")
 
 
 def bucket_layout(step: int) -> tuple:
@@ -150,9 +153,13 @@ class ErrorFeedbackHook(Exercise):
     )
     notes = ("exact (bitwise) comparisons with torch's bf16 arithmetic; the residual identity to "
              "float32 rounding; fresh random gradients on each run",)
+    error_hints = ((("'NoneType' object",), EMPTY_STATE_HINT), (("KeyError",), EMPTY_STATE_HINT),
+                   (("must return a torch.futures.Future",),
+                    "A hook returns the future of its asynchronous all-reduce, chained with a "
+                    "callback that decompresses the result, not a tensor."))
 
     def make_inputs(self, rng, world_size):
-        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        gen = torch_generator(rng)
         out = []
         for _ in range(world_size):
             # Magnitudes over three decades; steady gradients (step-to-step noise under bf16's
@@ -166,12 +173,3 @@ class ErrorFeedbackHook(Exercise):
 
     rank_run = staticmethod(run_hook_as_reducer)
     verdicts = "dpcourse.grading.checks.feedback_verdicts"
-
-    def explain(self, text):
-        if "'NoneType' object" in text or "KeyError" in text:
-            return ("state starts empty: on a bucket's first step there is no residual yet, "
-                    "so it starts from zeros of the bucket's size.")
-        if "must return a torch.futures.Future" in text:
-            return ("A hook returns the future of its asynchronous all-reduce, chained with a "
-                    "callback that decompresses the result, not a tensor.")
-        return ""

@@ -14,9 +14,9 @@ The rank sees only its own rows of each batch and a fresh seed for the model.
 It returns, per micro-batch, which parameters still hold a ``.grad`` and, per
 step, the parameters, each shard's ``.grad`` as it was when
 ``shard_optimizer.step()`` began (a pre-step hook), and the name of any other
-optimizer that stepped. The grader trains one process on the whole batch
-itself, and judges the collectives from its own record of what each rank
-issued (op and bytes).
+optimizer that stepped. The verdicts, against one process on the whole batch and
+the grader's own record of what each rank issued (op and bytes), are
+:mod:`~dpcourse.grading.checks.zero_verdicts`.
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of, follow_causes
-from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
+from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, SHARDED, SHARDED_WHY
 
 STEPS, MICRO, BATCH = 2, 3, 18  # 18 rows: 3 micro-batches of 3 rows on 2 ranks, of 2 on 3
 TOL = (1e-4, 3e-5)  # fp32 AdamW over 2 steps: a rounding difference in a tiny gradient moves a
 # weight by up to lr x its relative error (lr=1e-2)
-SHARDED_OPS = {"reduce_scatter_tensor", "all_gather_into_tensor"}
 FROZEN = (2, 3)  # the middle layer's weight and bias: requires_grad=False
-VALUES = ("matches_single_process", "frozen_parameters_untouched")  # the parameters after a step
 
 
 def make_model(seed: int) -> nn.Module:
@@ -55,80 +54,10 @@ def micro_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return nn.functional.mse_loss(model(x), y) / MICRO
 
 
-def single_process(seed: int, batches: list, last_rows: list) -> dict:
-    """One process on the whole batch: parameters after each step, gradients before it.
-
-    Args:
-        seed: the model's seed.
-        batches: per step, ``(x, y)`` of the whole batch.
-        last_rows: per step, ``(x, y)`` of every rank's last micro-batch, for the diagnosis of
-            a shard gradient that holds the last micro-batch's share only.
-
-    Returns:
-        ``{"params", "grads", "last"}``: per step, lists over the parameters (``None`` for a
-        frozen parameter's gradient).
-    """
-    model = make_model(seed)
-    opt = make_optimizer(model.parameters())
-    out: dict = {"params": [], "grads": [], "last": []}
-    for (x, y), (xl, yl) in zip(batches, last_rows):
-        micro_loss(model, xl, yl).backward()  # the last micro-batches' share, ranks averaged
-        out["last"].append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
-        model.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        out["grads"].append([None if p.grad is None else p.grad.clone()
-                             for p in model.parameters()])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["params"].append([p.detach().clone() for p in model.parameters()])
-    return out
-
-
-# The causes a shard gradient can be wrong for, each with the hint that follows from it.
-CAUSES = {
-    "no .grad": "shard_optimizer.step() found no .grad on a trainable shard: after the last "
-                "micro-batch, every trainable shard must hold its accumulated gradient.",
-    "summed over the ranks": "reduce_scatter_tensor sums the ranks' chunks; the whole batch's "
-                             "gradient is their average: divide by N (before or after).",
-    "divided by the micro-batch count twice": "Each micro-batch's loss was already divided by "
-        "the number of micro-batches before backward (lesson 07's rule): the sum over "
-        "micro-batches is the average. Divide by N only.",
-    "the last micro-batch's share only": "The earlier micro-batches' shares were lost: once "
-        "p.grad is freed, the shard's .grad is the only place a micro-batch's reduced chunk "
-        "survives, so add each reduce-scatter's result to it instead of replacing it.",
-    "another range of the gradient": "The shard is elements shard_range(numel, N, rank) of "
-        "the flattened gradient: chunk r of a copy padded to N * chunk_size(numel, N) elements, "
-        "chunk_size = ceil(numel / N).",
-}
 FROZEN_HINT = ("A frozen parameter (requires_grad=False) has no .grad, on every rank: leave it "
                "out of the reduce-scatters and the all-gathers, and leave its shard's .grad None. "
                "A zero gradient is not no gradient: AdamW skips a parameter whose .grad is None, "
                "but applies weight decay to one whose .grad is zeros.")
-
-
-def shard_cause(got: torch.Tensor, want: torch.Tensor, last: torch.Tensor, full: torch.Tensor,
-                world_size: int) -> str:
-    """Name why a trainable shard's gradient ``got`` is not ``want`` (``""`` when it is)."""
-    if not mismatch(got, want, *TOL):
-        return ""
-    if got.shape == want.shape:
-        for cause, scaled in (("summed over the ranks", got / world_size),
-                              ("divided by the micro-batch count twice", got * MICRO)):
-            if not mismatch(scaled, want, *TOL):
-                return cause
-        if not mismatch(got, last, *TOL):
-            return "the last micro-batch's share only"
-        n, padded = got.numel(), torch.cat([full, full.new_zeros(world_size)])  # as sent
-        if any(not mismatch(got, padded[i:i + n], *TOL) for i in range(padded.numel() - n + 1)):
-            return "another range of the gradient"
-    return ""
-
-
-def cause_hint(rec: CaseVerdict) -> str:
-    """The hint for the cause a failing record names in its detail."""
-    if rec.criterion == "frozen_parameters_untouched":
-        return FROZEN_HINT
-    return next((hint for cause, hint in CAUSES.items() if f"({cause})" in rec.detail), "")
 
 
 class ShardedStep(Exercise):
@@ -185,12 +114,11 @@ class ShardedStep(Exercise):
              f"and 2 elements and a frozen layer, on 2 and 3 ranks, compared with one process, "
              f"rtol={TOL[0]:g}, atol={TOL[1]:g} (float32); fresh random model and batches on "
              "each run",)
+    error_hints = ((("'NoneType' object has no attribute",), FROZEN_HINT),)
 
     def make_inputs(self, rng, world_size):
         seed = rng.getrandbits(31)
-        gen = torch.Generator().manual_seed(rng.getrandbits(62))
-        batches = [(torch.randn(BATCH, 5, generator=gen), torch.randn(BATCH, 2, generator=gen))
-                   for _ in range(STEPS)]
+        batches = regression_batches(torch_generator(rng), STEPS, BATCH, 5, 2)
         rows = BATCH // world_size
         return [{"seed": seed, "batches": [(x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])
                                            for x, y in batches]} for r in range(world_size)]
@@ -235,97 +163,4 @@ class ShardedStep(Exercise):
             hook.remove()
         return out
 
-    def judge(self, ws, inputs, outputs, events):
-        last_rows = [(torch.cat([i["batches"][s][0].chunk(MICRO)[-1] for i in inputs]),
-                      torch.cat([i["batches"][s][1].chunk(MICRO)[-1] for i in inputs]))
-                     for s in range(STEPS)]
-        batches = [(torch.cat([i["batches"][s][0] for i in inputs]),
-                    torch.cat([i["batches"][s][1] for i in inputs])) for s in range(STEPS)]
-        want = single_process(inputs[0]["seed"], batches, last_rows)
-        start = [p.detach().clone() for p in make_model(inputs[0]["seed"]).parameters()]
-        recs: list[CaseVerdict] = []
-        # Step by step, every rank: a wrong step 0 on one rank is reported before what it
-        # causes in step 1 on all of them.
-        for s in range(STEPS):
-            # Gradients taken at wrong parameters (trainable or frozen) say nothing about how
-            # they were reduced, nor do the parameters they step to: once a step left wrong
-            # parameters, the later steps' values are not judged.
-            judged = not any(not r.passed and r.criterion in VALUES for r in recs)
-            for r, got in enumerate(out[s] for out in outputs):
-                case = f"{ws} ranks, step {s}"
-                if judged:
-                    recs.append(CaseVerdict("shard_gradients_averaged", *self._shard_grads(
-                        ws, r, got["grads"], want["grads"][s], want["last"][s]), case))
-                    bad = next((f"rank {r}, parameter {k}: {d}" for k, (p, w) in
-                                enumerate(zip(got["params"], want["params"][s]))
-                                if k not in FROZEN and (d := mismatch(p, w, *TOL))), "")
-                    recs.append(CaseVerdict("matches_single_process", not bad, bad, case))
-                kept = [f"micro-batch {m}: parameters {k}" for m, k in enumerate(got["kept"]) if k]
-                recs.append(CaseVerdict("full_gradients_freed", not kept, f"rank {r} still held "
-                                        f"a full .grad after {'; '.join(kept)}", case))
-                recs.append(CaseVerdict("frozen_parameters_untouched",
-                                        *self._frozen(r, got, start), case))
-                recs.append(CaseVerdict("sharded_collectives_only",
-                                        *self._bytes(ws, r, s, start, events[r]), case))
-                recs.append(CaseVerdict("only_the_shard_optimizer_steps", not got["other"],
-                                        f"a {got['other']} stepped besides shard_optimizer",
-                                        case))
-        follow_causes(self, recs, cause_hint)
-        return recs
-
-    @staticmethod
-    def _shard_grads(ws, r, grads, want, last) -> tuple[bool, str]:
-        from dpcourse.zero import shard_range
-
-        if grads is None:
-            return False, f"rank {r}: shard_optimizer.step() was not called"
-        for k, (g, full, part) in enumerate(zip(grads, want, last)):
-            if k in FROZEN:
-                continue
-            lo, hi = shard_range(full.numel(), ws, r)
-            flat = full.reshape(-1)
-            where = f"rank {r}, parameter {k} (shard [{lo}, {hi}) of {full.numel()})"
-            if g is None:
-                if hi > lo:
-                    return False, f"{where}: no gradient (no .grad)"
-                continue
-            diff = mismatch(g, flat[lo:hi], *TOL)
-            if diff:
-                cause = shard_cause(g, flat[lo:hi], part.reshape(-1)[lo:hi], flat, ws)
-                return False, f"{where}: {diff}" + (f" ({cause})" if cause else "")
-        return True, ""
-
-    @staticmethod
-    def _frozen(r, got, start) -> tuple[bool, str]:
-        for k in FROZEN:
-            if got["grads"] is not None and got["grads"][k] is not None:
-                g = got["grads"][k]
-                what = "zeros" if not g.any() else "values"
-                return False, f"rank {r}, frozen parameter {k}: its shard had a .grad of {what}"
-            if not torch.equal(got["params"][k], start[k]):
-                moved = (got["params"][k] - start[k]).abs().max().item()
-                return False, f"rank {r}, frozen parameter {k} moved by up to {moved:.3g}"
-        return True, ""
-
-    @staticmethod
-    def _bytes(ws, r, s, start, rank_events) -> tuple[bool, str]:
-        from dpcourse.zero import chunk_size
-
-        mine = [e for m in range(MICRO) for e in events_of(rank_events, f"step {s}, micro-batch {m}")
-                if e["op"] not in ("recv", "delivered", "wait", "mark", "barrier")]
-        ops = {e["op"] for e in mine}
-        sent = sum((ws - 1) / ws * e["nbytes"] if e["op"] in SHARDED_OPS
-                   else 2 * (ws - 1) / ws * e["nbytes"] if e["op"] == "all_reduce"
-                   else e["nbytes"] for e in mine)
-        # Per parameter: one padded reduce-scatter per micro-batch, one padded all-gather per step.
-        padded = sum(ws * chunk_size(p.numel(), ws) * 4 for k, p in enumerate(start)
-                     if k not in FROZEN)
-        budget = (MICRO + 1) * (ws - 1) / ws * padded
-        ok = bool(ops) and ops <= SHARDED_OPS and sent <= budget + 0.5
-        return ok, (f"rank {r}: collectives {sorted(ops)}, {sent:.0f} bytes sent in the step; "
-                    f"ZeRO-2 needs {budget:.0f}")
-
-    def explain(self, text):
-        if "'NoneType' object has no attribute" in text:
-            return FROZEN_HINT
-        return ""
+    verdicts = "dpcourse.grading.checks.zero_verdicts"

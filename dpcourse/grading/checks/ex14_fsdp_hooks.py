@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, SHARDED, SHARDED_WHY
 
@@ -27,6 +28,9 @@ IN, OUT, BATCH, STEPS = 4, 3, 4, 3
 UNITS = ("inp", "mid", "out")
 RUNS = (("sgd", {"lr": 0.05, "momentum": 0.9}), ("adamw", {"lr": 1e-2, "weight_decay": 0.1}))
 TOL = (0.0, 3e-5)  # the bound tests/test_14_fsdp.py holds lesson 14's FSDP to (fp32)
+CRASH_HINT = ("A rank crashed inside torch: something read or wrote a tensor whose memory had "
+              "been freed. A flat's buffer may be freed only after the last use of its weights, "
+              "and must be allocated and gathered again before anything reads it.")
 
 
 def make_model(seed: int) -> nn.Sequential:
@@ -237,13 +241,15 @@ class FSDPHooks(Exercise):
              f"sizes 2 and 3; parameters compared with one process to atol={TOL[1]:g}, "
              f"gradients to (rtol, atol) {tolerance('gloo', torch.float32, 'vs_single')}; fresh "
              "random seeds and batches on each run",)
+    error_hints = ((("SIGSEGV",), CRASH_HINT), (("SIGBUS",), CRASH_HINT),
+                   (("has no memory",), "A collective touched a buffer that held no memory: it "
+                    "was not allocated before the gather, or it was freed before the collective "
+                    "had finished."),
+                   (("not available to graded code",), SHARDED_WHY))
 
     def make_inputs(self, rng, world_size):
-        seed = rng.getrandbits(31)
-        gen = torch.Generator().manual_seed(rng.getrandbits(62))
-        return [{"seed": seed, "batches": [(torch.randn(BATCH, IN, generator=gen),
-                                            torch.randn(BATCH, OUT, generator=gen))
-                                           for _ in range(STEPS)]}
+        seed, gen = rng.getrandbits(31), torch_generator(rng)
+        return [{"seed": seed, "batches": regression_batches(gen, STEPS, BATCH, IN, OUT)}
                 for _ in range(world_size)]
 
     @staticmethod
@@ -252,15 +258,3 @@ class FSDPHooks(Exercise):
                 for run in range(len(RUNS))]
 
     verdicts = "dpcourse.grading.checks.fsdp_verdicts"
-
-    def explain(self, text):
-        if "SIGSEGV" in text or "SIGBUS" in text:
-            return ("A rank crashed inside torch: something read or wrote a tensor whose memory "
-                    "had been freed. A flat's buffer may be freed only after the last use of its "
-                    "weights, and must be allocated and gathered again before anything reads it.")
-        if "has no memory" in text:
-            return ("A collective touched a buffer that held no memory: it was not allocated "
-                    "before the gather, or it was freed before the collective had finished.")
-        if "not available to graded code" in text:
-            return self.dist_why
-        return ""

@@ -16,6 +16,7 @@ import math
 import torch
 
 from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
+from dpcourse.grading.checks.random_inputs import torch_generator
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
 
@@ -62,7 +63,7 @@ class ClipSharded(Exercise):
     def make_inputs(self, rng, world_size):
         from dpcourse.grading.oracles import flat_shard
 
-        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        gen = torch_generator(rng)
         per_rank = [{"cases": []} for _ in range(world_size)]
         for label, crit, norm_type, ratio in CASES:
             sizes = [rng.randrange(1, 40) for _ in range(3)] + [1]  # one smaller than the world
