@@ -12,7 +12,6 @@ written by this process, where the kernel cannot reach them.
 
 from __future__ import annotations
 
-import importlib.abc
 import json
 import os
 import shutil
@@ -28,16 +27,6 @@ from dpcourse.grading.report import strip_ansi
 from dpcourse.launch import reaper
 
 KERNEL_START = 60.0  # seconds for the kernel to come up, on top of the notebook's time limit
-
-
-class _NoIriSyntax(importlib.abc.MetaPathFinder):
-    """Keep jsonschema from importing ``rfc3987_syntax`` (about 1.5 s of CPU per notebook):
-    it only checks the ``iri`` string format, which notebook validation never uses."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "rfc3987_syntax":
-            raise ModuleNotFoundError("not needed to read or run notebooks", name=name)
-        return None
 
 
 def _kernel_manager_class(sandbox: dict | None = None):
@@ -74,7 +63,9 @@ def _kernel_manager_class(sandbox: dict | None = None):
 
 
 def main(src: str, dst: str, progress_path: str, sandbox: str | None = None) -> int:
-    sys.meta_path.insert(0, _NoIriSyntax())
+    # jsonschema's check of the "iri" format, which notebooks never use, costs ~1.5 s of CPU
+    # to import: a None in sys.modules makes its import fail, and jsonschema goes without.
+    sys.modules["rfc3987_syntax"] = None
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, DeadKernelError
@@ -148,6 +139,12 @@ def _progress(path: str) -> list[str]:
         return []
 
 
+def _running(lines: list[str]) -> int | None:
+    """The cell the progress ``lines`` last saw start, if any."""
+    started = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
+    return started[-1] if started else None
+
+
 def execute(nb, timeout: float, sandbox=None) -> Execution:
     """Run notebook ``nb`` in an owned kernel (in ``sandbox``, a
     :class:`~dpcourse.grading.sandbox.Sandbox`, if given); kill all at ``timeout`` s of cell time."""
@@ -184,8 +181,7 @@ def execute(nb, timeout: float, sandbox=None) -> Execution:
                 return Execution("error", None, f"the kernel did not start within "
                                  f"{KERNEL_START:g} s")
             if deadline is not None and now > deadline:
-                running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
-                cell = running[-1] if running else None
+                cell = _running(lines)
                 reaper.kill_tree([proc.pid])
                 reaper.kill_new_children(before)
                 return Execution("timeout", cell, f"cell {cell} was still running at the time "
@@ -196,16 +192,14 @@ def execute(nb, timeout: float, sandbox=None) -> Execution:
         spent = time.monotonic() - deadline + timeout if deadline is not None else 0.0
         lines = _progress(progress)
         end = [ln for ln in lines if ln.startswith("end ")]
-        running = [int(ln.split()[1]) for ln in lines if ln.startswith("start ")]
         if not end:
-            cell = running[-1] if running else None
-            return Execution("died", cell, f"the notebook's process ended during cell {cell} "
-                             "(killed?)", _read(dst), spent)
+            return Execution("died", _running(lines), f"the notebook's process ended during "
+                             f"cell {_running(lines)} (killed?)", _read(dst), spent)
         _, status, index, *message = end[-1].split(" ", 3)
-        message = strip_ansi(message[0] if message else "")
         if status == "ok":
             return Execution("ok", None, "", _read(dst), spent)
-        return Execution(status, int(index), f"cell {index}: {message}", _read(dst), spent)
+        return Execution(status, int(index), f"cell {index}: {strip_ansi(''.join(message))}",
+                         _read(dst), spent)
     finally:
         if proc is not None:
             reaper.kill_tree([proc.pid])
