@@ -17,10 +17,21 @@ and from inside the grader's ranks, tries to:
 * read ``solutions/`` and the other students' notebooks;
 * fork a few hundred short-lived children, and leave a detached daemon behind.
 
+Two more hostile notebooks (``tests/planted/sandbox_attacks.py``), from their kernels
+and ranks likewise:
+
+* reach the network: TCP and UDP to listeners this script opens on 127.0.0.1 and on
+  the machine's other addresses, an abstract and a named Unix socket, a DNS lookup
+  (and a query sent straight to the name server), an HTTP request to the package index;
+* ptrace-attach (``PTRACE_SEIZE``, ``PTRACE_ATTACH``) to every process they can see and
+  to the outside pids they know or learn (the grader's, from the environment or the
+  command lines shown in ``/proc``), and find the grader's environment (a secret this
+  script puts there) in ``/proc/<pid>/environ`` or in the memory of what they attach to.
+
 Each attempt that works leaves a trace this script can see: a marker line in the
-file it wrote, a file in a canary folder outside the sandbox, or a line in the
-report the hostile code raises with (the kernel's error message, and the error
-a rank reports).
+file it wrote, a file in a canary folder outside the sandbox, a connection or datagram
+counted by a listener, or a line in the report the hostile code raises with (the
+kernel's error message, and the error a rank reports).
 
 Run: ``python tests/grade_folder_experiment.py --n 30 --out docs/results/grading/folder-30.json``
 (``tests/test_grade_folder_isolation.py`` runs a small version of it).
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import hashlib
 import json
@@ -37,6 +49,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,12 +57,16 @@ import time
 
 import nbformat
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planted import sandbox_attacks  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DPCOURSE = os.path.join(REPO, ".venv", "bin", "dpcourse")
 PACKAGE = os.path.join(REPO, "dpcourse")
 # Cheap exercises: two grade with 2- and 3-rank worlds, one without ranks.
 EXERCISES = ("01_why_data_parallel.ipynb", "02_collectives.ipynb", "09_cost_model.ipynb")
 HOSTILE_NAME = "01_why_data_parallel.ipynb"  # graded as exercise 01 (by its file name)
+INDEX_HOST = "pypi.org"  # the package index the network attack asks for
 TIMEOUT = 120  # --timeout given to every grading call, alone or in the folder
 
 # The attack, run by the hostile notebook's kernel and, through torch.sys (which the
@@ -206,8 +223,8 @@ REPORT = log
 '''
 
 
-def hostile_notebook(cfg: dict) -> nbformat.NotebookNode:
-    """Exercise 01's notebook whose kernel and graded function run :data:`ATTACK`.
+def hostile_notebook(cfg: dict, attack: str = ATTACK) -> nbformat.NotebookNode:
+    """Exercise 01's notebook whose kernel and graded function run ``attack``.
 
     The graded ``global_mean_gradient`` runs the attack once per rank and raises with
     its report (so that the report reaches the grader's results); the kernel runs it
@@ -217,7 +234,7 @@ def hostile_notebook(cfg: dict) -> nbformat.NotebookNode:
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     cells = [
         nbformat.v4.new_code_cell("import torch\nimport torch.distributed as dist"),
-        nbformat.v4.new_code_cell(f"CFG = {json.dumps(cfg)!s}\nATTACK = {ATTACK!r}\nDONE = []"),
+        nbformat.v4.new_code_cell(f"CFG = {json.dumps(cfg)!s}\nATTACK = {attack!r}\nDONE = []"),
         nbformat.v4.new_code_cell(
             "def global_mean_gradient(local_grad, local_size, group=None):\n"
             "    if not DONE:\n"
@@ -268,11 +285,32 @@ def honest_notebook(k: int) -> tuple[str, nbformat.NotebookNode, str]:
     return name, nb, what
 
 
-def build_class(folder: str, honest_indices, canary: str, json_path: str,
-                marker: str, forks: int = 300) -> dict:
-    """Write the honest submissions ``honest_notebook(k)`` and one hostile one under ``folder``.
+def outside_view() -> dict:
+    """What the network attack is told of this machine: its name server (from
+    ``/etc/resolv.conf``) and the package index's addresses, as seen from outside the sandbox."""
+    nameserver = None
+    try:
+        with open("/etc/resolv.conf") as f:
+            servers = [ln.split()[1] for ln in f if ln.startswith("nameserver ")]
+        nameserver = next((a for a in servers if "." in a), None)
+    except (OSError, IndexError):
+        pass
+    try:
+        ips = sorted({a[4][0] for a in socket.getaddrinfo(INDEX_HOST, 443, socket.AF_INET)})
+    except OSError:
+        ips = []  # this machine is offline: the attack still tries the name
+    return {"nameserver": nameserver, "index_host": INDEX_HOST,
+            "index_url": f"https://{INDEX_HOST}/simple/pip/", "index_ips": ips[:2]}
 
-    Returns ``{"honest": {submission: (path, what)}, "hostile": (submission, path)}``.
+
+def build_class(folder: str, honest_indices, canary: str, json_path: str,
+                marker: str, forks: int = 300, outside: dict | None = None) -> dict:
+    """Write the honest submissions ``honest_notebook(k)`` and the hostile ones under ``folder``.
+
+    ``outside``: what the network and ptrace notebooks are told (:meth:`Listeners.cfg`,
+    :func:`outside_view`, ``secret``, ``outside_pids``); without it only the file attack
+    is written. Returns ``{"honest": {submission: (path, what)}, "hostile": (submission,
+    path), "attacks": {"network" | "ptrace": (submission, path)}}``.
     """
     honest = {}
     for k in honest_indices:
@@ -298,7 +336,16 @@ def build_class(folder: str, honest_indices, canary: str, json_path: str,
            "secrets": [os.path.join(REPO, "solutions", n) for n in EXERCISES],
            "forks": forks}
     nbformat.write(hostile_notebook(cfg), path)
-    return {"honest": honest, "hostile": (sub, path)}
+    attacks = {}
+    for kind, code in (("network", sandbox_attacks.NETWORK), ("ptrace", sandbox_attacks.PTRACE)):
+        if outside is None:
+            break
+        other = f"student{len(honest) // 2:02d}{kind}"
+        os.makedirs(os.path.join(folder, other))
+        attacks[kind] = (other, os.path.join(folder, other, HOSTILE_NAME))
+        nbformat.write(hostile_notebook(dict(outside, marker=f"{marker}-{kind}"), code),
+                       attacks[kind][1])
+    return {"honest": honest, "hostile": (sub, path), "attacks": attacks}
 
 
 def _sha(path: str) -> str:
@@ -403,13 +450,15 @@ def processes_with(marker: str) -> list[int]:
 
 
 def grade(paths: list[str], json_path: str, timeout: int = TIMEOUT,
-          limit: float = 1800) -> dict:
-    """Run ``dpcourse grade paths --json json_path``; return rc, wall time, output, JSON."""
+          limit: float = 1800, env: dict | None = None) -> dict:
+    """Run ``dpcourse grade paths --json json_path`` (with ``env`` added to this process's
+    environment); return rc, wall time, output, JSON."""
     t0 = time.monotonic()
     try:
         proc = subprocess.run([DPCOURSE, "grade", *paths, "--json", json_path,
                                "--timeout", str(timeout)],
-                              capture_output=True, text=True, timeout=limit, cwd=REPO)
+                              capture_output=True, text=True, timeout=limit, cwd=REPO,
+                              env=dict(os.environ, **(env or {})))
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc, out = "timed out", f"still running after {limit} s: {exc}"
@@ -481,23 +530,68 @@ def hostile_reports(data: dict | None, sub: str) -> dict:
     return out
 
 
+def breaches(reports: dict) -> list[str]:
+    """The ``BREACH`` lines of :func:`hostile_reports`' kernel and rank reports."""
+    lists = [reports["kernel"] or []] + [r for r in reports["ranks"] if isinstance(r, list)]
+    return [line for rep in lists for line in rep if str(line).startswith("BREACH")]
+
+
+@contextlib.contextmanager
+def outside_ends(work: str, marker: str):
+    """Open the listeners and make up the secret the network and ptrace notebooks look for.
+
+    Yields ``(listeners, outside, env)``: the :class:`~planted.sandbox_attacks.Listeners`
+    (their control round done), what the notebooks are told (``build_class``'s
+    ``outside``) and the environment to grade with (the secret in ``GRADER_SECRET``).
+    """
+    listeners = sandbox_attacks.Listeners(f"dpcourse-{marker}", work)
+    try:
+        control = listeners.control()
+        secret = f"s3cret-{os.urandom(8).hex()}"
+        outside = {**listeners.cfg(), **outside_view(), "secret": secret, "control": control,
+                   "outside_pids": [os.getpid(), os.getppid()]}
+        yield listeners, outside, {"GRADER_SECRET": secret}
+    finally:
+        listeners.close()
+
+
+def attack_results(data: dict | None, attacks: dict, listeners) -> dict:
+    """Per attack notebook: its result, its reports and their breaches; and what reached the
+    listeners (after their control round: only the notebooks' connections)."""
+    out = {"listeners_reached": list(listeners.reached)}
+    for kind, (sub, _) in attacks.items():
+        reports = hostile_reports(data, sub)
+        out[kind] = {"submission": sub, "result": verdicts(data).get(sub),
+                     "kernel_report": reports["kernel"], "rank_reports": reports["ranks"],
+                     "breaches_reported": breaches(reports)}
+    return out
+
+
 def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
-    """Grade ``n - 1`` honest notebooks alone, then all ``n`` as one folder; compare.
+    """Grade ``n - 3`` honest notebooks alone, then all ``n`` as one folder; compare.
 
     Args:
-        n: notebooks in the folder, the hostile one included.
+        n: notebooks in the folder, the three hostile ones included.
         work: an empty folder for the class, the outputs and the canary.
         jobs: honest notebooks graded alone at the same time (each its own grading call),
             beside the grading of the whole folder.
         forks: children the hostile code forks, from the kernel and from each rank.
     """
     marker = f"hostile{os.getpid()}x{int(time.time())}"
+    for d in ("canary", os.path.join("out", "folder")):
+        os.makedirs(os.path.join(work, d))
+    with outside_ends(work, marker) as (listeners, outside, env):
+        result = _experiment(n, work, jobs, forks, marker, listeners, outside, env)
+    result["network_and_ptrace"]["listeners_reached"] = list(listeners.reached)
+    result["network_and_ptrace"]["listener_control"] = outside["control"]
+    return result
+
+
+def _experiment(n, work, jobs, forks, marker, listeners, outside, env) -> dict:
+    """:func:`experiment` with the listeners open (``outside_ends``)."""
     folder, canary, outs = (os.path.join(work, d) for d in ("class", "canary", "out"))
-    for d in (canary, outs):
-        os.makedirs(d)
     json_path = os.path.join(outs, "folder", "grades.json")
-    os.makedirs(os.path.dirname(json_path))
-    built = build_class(folder, range(n - 1), canary, json_path, marker, forks)
+    built = build_class(folder, range(n - 3), canary, json_path, marker, forks, outside)
     hostile_sub, _ = built["hostile"]
 
     # Each honest notebook alone (a copy in a folder of its own, same submission name).
@@ -506,7 +600,7 @@ def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
         single = os.path.join(work, "alone", sub)
         os.makedirs(single)
         shutil.copy(path, single)
-        return sub, grade([single], os.path.join(outs, f"alone-{sub}.json"))
+        return sub, grade([single], os.path.join(outs, f"alone-{sub}.json"), env=env)
 
     sites = site_folders()
     roots = {"class folder": (folder, True), "course package": (PACKAGE, True),
@@ -517,7 +611,7 @@ def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
     # scores must not depend on what else the machine does.
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as one:
-        folder_run = one.submit(grade, [folder], json_path)
+        folder_run = one.submit(grade, [folder], json_path, env=env)
         with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
             alone_runs = dict(pool.map(alone, sorted(built["honest"])))
         alone_wall = time.monotonic() - t0
@@ -532,7 +626,7 @@ def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
             pass
     solutions = os.path.join(REPO, "solutions")
     marked = marked_files([PACKAGE, solutions, *sites, folder, outs], marker,
-                          skip=(built["hostile"][1],))
+                          skip=(built["hostile"][1], *(p for _, p in built["attacks"].values())))
     canaries = sorted(os.listdir(canary))
     diffs = {k: changed(before[k], after[k]) for k in roots}
     # Others edit the checkout meanwhile: a changed file of the package or of solutions/
@@ -558,15 +652,13 @@ def experiment(n: int, work: str, jobs: int = 1, forks: int = 300) -> dict:
                        "alone_rc": alone_runs[sub]["rc"]})
     hostile = folder_v.get(hostile_sub)
     reports = hostile_reports(in_folder["json"], hostile_sub)
-    breaches = [line for rep in [reports["kernel"] or []] + [r for r in reports["ranks"]
-                                                               if isinstance(r, list)]
-                for line in rep if str(line).startswith("BREACH")]
     return {
-        "notebooks": n, "honest": n - 1, "hostile_submission": hostile_sub,
+        "notebooks": n, "honest": n - 3, "hostile_submission": hostile_sub,
         "identical": sum(p["identical"] for p in per_nb), "differences": differences,
         "per_notebook": per_nb,
         "hostile": {"result": hostile, "kernel_report": reports["kernel"],
-                    "rank_reports": reports["ranks"], "breaches_reported": breaches},
+                    "rank_reports": reports["ranks"], "breaches_reported": breaches(reports)},
+        "network_and_ptrace": attack_results(in_folder["json"], built["attacks"], listeners),
         "files_changed": diffs,
         "files_unchanged": not any(v for k, v in diffs.items() if k not in checkout)
         and not by_hostile,
@@ -594,13 +686,14 @@ def machine() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=30, help="notebooks in the folder, hostile included")
+    ap.add_argument("--n", type=int, default=30,
+                    help="notebooks in the folder, the three hostile ones included")
     ap.add_argument("--out", required=True, help="JSON file for the results")
     ap.add_argument("--jobs", type=int, default=1,
                     help="honest notebooks graded alone at the same time")
     args = ap.parse_args(argv)
-    if args.n < 2:
-        ap.error("--n must be at least 2 (one honest notebook and the hostile one)")
+    if args.n < 4:
+        ap.error("--n must be at least 4 (one honest notebook and the three hostile ones)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     info = machine()
     import torch
@@ -616,12 +709,15 @@ def main(argv=None) -> int:
     text = text.replace(work, "<work>").replace(REPO, "<repo>")
     with open(args.out, "w") as f:
         f.write(text + "\n")
+    net = result["network_and_ptrace"]
+    got_out = net["listeners_reached"] + [b for k in ("network", "ptrace")
+                                          for b in net[k]["breaches_reported"]]
     print(f"{result['identical']} of {result['honest']} honest notebooks scored identically; "
           f"files unchanged: {result['files_unchanged']}; survivors: "
-          f"{len(result['surviving_processes'])}; folder grading "
-          f"{result['folder_grading']['wall_s']} s")
+          f"{len(result['surviving_processes'])}; network and ptrace: {len(got_out)} got out; "
+          f"folder grading {result['folder_grading']['wall_s']} s")
     return 0 if (result["identical"] == result["honest"] and result["files_unchanged"]
-                 and not result["surviving_processes"]) else 1
+                 and not result["surviving_processes"] and not got_out) else 1
 
 
 if __name__ == "__main__":

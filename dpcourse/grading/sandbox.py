@@ -41,6 +41,7 @@ GRADER_ONLY = ("grading/oracles.py", "grading/autograde.py", "grading/gradebook.
 _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group",
         "/etc/nsswitch.conf", "/etc/localtime", "/etc/alternatives")
 _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM")
+_ENV = "/usr/bin/env"  # coreutils: starts bwrap with an empty environment (see command)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -136,7 +137,12 @@ class Sandbox:
         inside (plus ``HOME``, ``TMPDIR`` and ``PYTHONPATH``, set here). ``shared``: further
         writable folders, at their own paths (one the grader gives several ranks on purpose).
         """
-        cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+        # bwrap stays in the sandbox as its pid 1 (it reaps, and reports the exit status
+        # through an eventfd), and there /proc/1/environ shows the environment bwrap
+        # started with: start it with none, or the grader's (its secrets, the kernel
+        # launcher's JPY_PARENT_PID) is readable inside. --clearenv clears only the
+        # command's own.
+        cmd = [_ENV, "-i", self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
                "--unshare-user", "--cap-drop", "ALL",
                *(["--disable-userns"] if self.disable_userns else []), "--clearenv",
                "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev",
