@@ -187,6 +187,36 @@ def test_debug_level_is_read_when_torch_distributed_is_imported():
     assert level(late, {}) == "DebugLevel.OFF"
 
 
+@pytest.mark.gpu(2)
+def test_nccl_tools_print_what_lesson_15_reads_beside_the_watchdog(tmp_path):
+    """Lesson 15, section 7 (the statements tests/test_15_debugging.py leaves out), on 2 GPUs:
+    NCCL_DEBUG=INFO prints NCCL's version and the transport of every channel; after a skipped
+    all-reduce the rank that skipped it is signalled to dump its flight record; under
+    TORCH_NCCL_BLOCKING_WAIT=1 torch takes the waiting rank's process down; and torch warns that
+    TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated in favour of TORCH_FR_BUFFER_SIZE."""
+    import json
+
+    from dpcourse.bench import record_debugging
+
+    only = ["nccl_debug_info", "skipped_collective", "blocking_wait", "flight_recorder"]
+    assert record_debugging.main(["--out", str(tmp_path), "--only", *only]) == 0
+    (path,) = tmp_path.glob("lesson15-2x-*.json")
+    runs = json.loads(path.read_text())["scenarios"]
+
+    def out(name, rank):
+        r = runs[name]["ranks"][rank]
+        return "\n".join(r["stdout"] + r["stderr"])
+
+    for rank in (0, 1):
+        info = out("nccl_debug_info", rank)
+        assert "NCCL version" in info and re.search(r" via \S+", info), info[-3000:]
+    assert "Observed flight recorder dump signal from another rank" in out("skipped_collective", 1)
+    assert "taking the entire process down" in out("blocking_wait", 0)
+    assert runs["blocking_wait"]["ranks"][0]["status"] != "exit status 0"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated; use TORCH_FR_BUFFER_SIZE" in \
+        out("flight_recorder", 0) + out("flight_recorder", 1)
+
+
 # --------------------------------------------------------------------------- lesson 16
 
 def test_torchrun_is_torch_distributed_run():
