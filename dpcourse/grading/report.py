@@ -91,6 +91,14 @@ class CheckResult:
     def all_passed(self) -> bool:
         return self.total > 0 and self.passed == self.total
 
+    def criterion(self, name: str) -> CriterionResult:
+        """Return the criterion called ``name`` (``KeyError`` naming the others if none)."""
+        for c in self.criteria:
+            if c.name == name:
+                return c
+        raise KeyError(f"check {self.check!r} has no criterion {name!r}; it has "
+                       f"{[c.name for c in self.criteria]}.")
+
     def failed(self) -> list[str]:
         return [c.name for c in self.criteria if not c.passed]
 

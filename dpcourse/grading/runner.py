@@ -45,39 +45,31 @@ STUB_HINT = ("Your code reached a part that is not written yet (the note above n
 
 def _merge(spec: Exercise, names: dict, defined: set, records: list[CaseVerdict],
            failure: tuple[int | None, Failure] | None, findings: list[str]) -> list[CriterionResult]:
+    told = _failure_text(failure[1], failure[0]) if failure is not None else ""
+    stopped = told.splitlines()[0] if told else ""
+    hung = failure is not None and failure[1].kind == "timeout"
     results: dict[str, CriterionResult] = {}
-    stopped = ""
-    if failure is not None:
-        stopped = _failure_text(failure[1], failure[0]).splitlines()[0]
-    first_own = spec.criteria[0].name
-    stub = failure is not None and failure[1].exc_type == NOT_IMPLEMENTED
     for c in spec.criteria:
-        bad = [r for r in records if r.criterion == c.name and not r.passed]
         seen = [r for r in records if r.criterion == c.name]
-        missing_role = c.requires and names.get(c.requires) not in defined
-        if missing_role:
-            ok, detail = False, (f"your notebook defines no `{spec.roles[c.requires]}` (a def at "
-                                 "the top level of a cell)")
+        bad = [r for r in seen if not r.passed]
+        ok = False
+        if c.requires and names.get(c.requires) not in defined:
+            detail = (f"your notebook defines no `{spec.roles[c.requires]}` (a def at the top "
+                      "level of a cell)")
         elif c.name == NO_DELEGATION.name and findings:
-            ok, detail = False, "your code " + "; ".join(findings)
+            detail = "your code " + "; ".join(findings)
         elif bad:
-            ok, detail = False, (f"{bad[0].case}: " if bad[0].case and bad[0].case not in
-                                 bad[0].detail else "") + bad[0].detail
+            detail = (f"{bad[0].case}: " if bad[0].case and bad[0].case not in bad[0].detail
+                      else "") + bad[0].detail
+        elif failure is None:
+            ok = bool(seen) or c.name in (NO_DELEGATION.name, NO_DEADLOCK.name)
+            detail = "" if ok else "not checked: no case of this criterion ran"
         elif c.name == NO_DEADLOCK.name:
-            ok = failure is None
-            detail = "" if failure is None else (
-                _failure_text(failure[1], failure[0]) if failure[1].kind == "timeout"
-                else f"not checked: {stopped}")
-        elif failure is not None:
-            if c.name == first_own and failure[1].kind != "timeout":
-                ok, detail = False, _failure_text(failure[1], failure[0])
-            else:
-                ok, detail = False, (f"checked only in part: {stopped}" if seen
-                                     else f"not checked: {stopped}")
-        elif not seen and c.name != NO_DELEGATION.name:
-            ok, detail = False, "not checked: no case of this criterion ran"
+            detail = told if hung else f"not checked: {stopped}"
+        elif c.name == spec.criteria[0].name and not hung:
+            detail = told
         else:
-            ok, detail = True, ""
+            detail = f"{'checked only in part' if seen else 'not checked'}: {stopped}"
         results[c.name] = CriterionResult(c.name, c.description, ok, detail, "", c.weight, c.gate)
     for c in spec.criteria:  # credit only where the result it depends on is right
         r = results[c.name]
@@ -85,16 +77,14 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[CaseVerdict]
         if r.passed and blocked:
             r.passed, r.gate = False, False  # not earned, but nothing was refused either
             r.detail = f"not credited: counts once {', '.join(blocked)} passes"
-        quiet = r.detail.startswith(("not checked", "checked only in part", "not credited"))
-        if not r.passed and not quiet and stub:
-            # The run stopped at a stub, whichever part it is: this criterion's own hint
+        elif not r.passed and not r.detail.startswith(
+                ("not checked", "checked only in part", "not credited")):
+            # A run stopped at a stub, whichever part it is: this criterion's own hint
             # would name a cause the learner's code never reached.
-            r.hint = STUB_HINT
-        elif not r.passed and not quiet:
-            r.hint = c.hint
             extra = spec.explain(r.detail)
-            if extra and extra not in r.hint:
-                r.hint = f"{extra} {r.hint}".strip()
+            r.hint = (STUB_HINT if failure is not None and failure[1].exc_type == NOT_IMPLEMENTED
+                      else f"{extra} {c.hint}".strip() if extra and extra not in c.hint
+                      else c.hint)
     return list(results.values())
 
 
@@ -198,42 +188,41 @@ def check(name: str, obj, *, timeout: float | None = None, quiet: bool = False,
         **extras: the check's further definitions under other names, e.g.
             ``chunk_bounds=my_bounds``.
     """
-    result = _check(name, obj, timeout, extras)
+    spec = get_spec(name)
+    if os.environ.get(SKIP_ENV) == "1":
+        # Inside `dpcourse grade`'s kernel: the grader runs this check itself, afterwards.
+        result = CheckResult(spec.name, spec.exercise, spec.title, [], spec.points, 0.0,
+                             ["not run here: dpcourse grade runs this check on your definitions"])
+    elif lack := spec.unavailable_here():  # e.g. GPU kernels on a laptop: neither pass nor fail
+        result = CheckResult.not_graded_here(spec, f"{lack}. Run this notebook on a machine "
+                                             f"with {spec.needs} to have it checked.")
+    else:
+        result = run_check(spec, timeout=timeout, **_definitions(spec, obj, extras))
     if not quiet:
         show(result)
     return result
 
 
-def _check(name: str, obj, timeout: float | None, extras: dict) -> CheckResult:
-    spec = get_spec(name)
+def _definitions(spec: Exercise, obj, extras: dict) -> dict:
+    """``run_check``'s ``cells``, ``names``, ``problems`` and ``pickled`` for ``check(...)``."""
     roles = spec.roles
-    if os.environ.get(SKIP_ENV) == "1":
-        # Inside `dpcourse grade`'s kernel: the grader runs this check itself, afterwards.
-        return CheckResult(spec.name, spec.exercise, spec.title, [], spec.points, 0.0,
-                           ["not run here: dpcourse grade runs this check on your definitions"])
-    lack = spec.unavailable_here()
-    if lack:  # e.g. GPU kernels on a laptop: say so, neither pass nor fail
-        return CheckResult.not_graded_here(spec, f"{lack}. Run this notebook on a machine "
-                                           f"with {spec.needs} to have it checked.")
     unknown = set(extras) - (set(roles) - {"main"})
     if unknown:
-        raise TypeError(f"check({name!r}) got unexpected keyword(s) {sorted(unknown)}; it accepts "
-                        f"{sorted(set(roles) - {'main'}) or 'none'}.")
+        raise TypeError(f"check({spec.name!r}) got unexpected keyword(s) {sorted(unknown)}; it "
+                        f"accepts {sorted(set(roles) - {'main'}) or 'none'}.")
     names = dict(roles)
     for role, value in [("main", obj), *extras.items()]:
         label = getattr(value, "__name__", "") or getattr(value, "name", "")  # or a kernel's
         if not label.isidentifier():
-            raise ValueError(f"check({name!r}): {role} must be a function or class defined with "
-                             f"def/class (got {value!r}).")
+            raise ValueError(f"check({spec.name!r}): {role} must be a function or class defined "
+                             f"with def/class (got {value!r}).")
         names[role] = label
     try:
         cells, problems = extract(_sources_of(obj))
-        pickled = None
+        return {"cells": cells, "names": names, "problems": problems}
     except (OSError, TypeError, ValueError):  # built by exec, say: send the objects by value
         import cloudpickle
 
         objs = {"main": obj, **extras}
-        cells, problems = [], []
-        pickled = base64.b64encode(cloudpickle.dumps(objs)).decode()
-        names = {role: role for role in objs}
-    return run_check(spec, cells, names, timeout=timeout, problems=problems, pickled=pickled)
+        return {"cells": [], "names": {role: role for role in objs}, "problems": [],
+                "pickled": base64.b64encode(cloudpickle.dumps(objs)).decode()}
