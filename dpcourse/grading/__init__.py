@@ -19,17 +19,14 @@ Adding an exercise's check (lesson NN):
 
 from __future__ import annotations
 
+import importlib
+
 __all__ = ["check", "available_checks", "CheckResult", "CriterionResult"]
 
 
 def __getattr__(name):
     # Lazy: a graded rank imports dpcourse.grading.shim without the rest of the grader.
-    if name in ("check", "available_checks"):
-        from dpcourse.grading import runner
-
-        return getattr(runner, name)
-    if name in ("CheckResult", "CriterionResult"):
-        from dpcourse.grading import report
-
-        return getattr(report, name)
-    raise AttributeError(f"module 'dpcourse.grading' has no attribute {name!r}")
+    if name not in __all__:
+        raise AttributeError(f"module 'dpcourse.grading' has no attribute {name!r}")
+    module = "runner" if name in ("check", "available_checks") else "report"
+    return getattr(importlib.import_module(f"dpcourse.grading.{module}"), name)

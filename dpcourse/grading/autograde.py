@@ -6,7 +6,9 @@ For each notebook:
    (:mod:`~dpcourse.grading.sandbox`) with no network, none of the grader's files and no
    other submission. At the time limit the kernel and all it started are killed; a dead
    kernel or a malformed notebook scores zero and grading carries on.
-2. Without the sandbox, put back any file of the course package the notebook changed.
+2. Without the sandbox, put back any file of the course package the notebook changed
+   (:class:`PackageSnapshot`; compiled caches are removed, Python rebuilds them), so an
+   edited grader never grades this notebook or any later one.
 3. Run each check of the notebook's lesson on the definitions from the cells that ran
    (never the calls), in fresh ranks (:mod:`~dpcourse.grading.runner`) with the grader's
    world sizes and fresh random cases. Verdicts are reached in this process.
@@ -27,6 +29,7 @@ import tempfile
 import time
 from unittest import mock
 
+import dpcourse
 from dpcourse.argtypes import UsageError
 from dpcourse.grading import sandbox as sandboxing
 from dpcourse.grading.checks import for_notebook
@@ -37,6 +40,50 @@ from dpcourse.grading.submission import extract, from_notebook
 from dpcourse.launch import reaper
 
 NOT_SANDBOXED = "not sandboxed"
+ROOT = os.path.dirname(os.path.abspath(dpcourse.__file__))
+
+
+def _walk(root: str) -> dict[str, bytes]:
+    files = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files
+
+
+class PackageSnapshot:
+    """The bytes of every file under the package, taken now."""
+
+    def __init__(self, root: str = ROOT):
+        self.root = root
+        self.files = _walk(root)
+
+    def restore(self) -> list[str]:
+        """Put back what changed since the snapshot; return the source files that had changed."""
+        now, changed = _walk(self.root), []
+        for rel in sorted(set(now) | set(self.files)):
+            was, path = self.files.get(rel), os.path.join(self.root, rel)
+            if now.get(rel) == was:
+                continue
+            if "__pycache__" not in rel:
+                changed.append(rel)
+            elif rel not in now:
+                continue
+            if was is None or "__pycache__" in rel:
+                # A cache may be forged to match its source's size and time: drop any
+                # written since (Python compiles the source again on the next import).
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+                continue
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with contextlib.suppress(OSError):  # a file the notebook made read-only
+                os.chmod(path, 0o644)
+            with open(path, "wb") as f:
+                f.write(was)
+        return changed
 
 
 def collect(paths: list[str]) -> list[tuple[str, str]]:
@@ -154,7 +201,6 @@ def grade(paths: list[str], timeout: float = 600.0, feedback: str | None = None,
         maximum of those this machine could not run (each row's ``not_graded`` says why).
     """
     from dpcourse.grading import gradebook
-    from dpcourse.grading.integrity import PackageSnapshot
 
     if not (timeout > 0 and timeout != float("inf")):
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout:g}.")
@@ -208,40 +254,11 @@ def _exit_on_termination() -> None:
         signal.signal(sig, stop)
 
 
-def _unwritable(folder: str) -> str | None:
-    if not os.path.isdir(folder):
-        return f"{folder} {'is not a directory' if os.path.exists(folder) else 'does not exist'}"
-    try:
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as exc:
-        return f"{folder} is not writable ({exc.strerror})"
-    return None
-
-
-def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse, before minutes of grading, an output path that could not be written afterwards."""
-    for flag in ("--json", "--csv", "--lms-csv", "--feedback"):
-        path = getattr(args, flag[2:].replace("-", "_"))
-        if path is None:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if flag == "--feedback":
-            if os.path.exists(path) and not os.path.isdir(path):
-                raise UsageError(f"grade: {flag} {path} is a file; give a directory")
-            folder = os.path.abspath(path)
-            while not os.path.exists(folder):  # created with its missing parents
-                folder = os.path.dirname(folder)
-        elif os.path.isdir(path):
-            raise UsageError(f"grade: {flag} {path} is a directory; give a file name")
-        if why := _unwritable(folder):
-            raise UsageError(f"grade: {flag} {path} cannot be written: {why}")
-
-
 def main(args: argparse.Namespace) -> int:
     """Run ``dpcourse grade``: grade, print the table, write the files asked for; 2 on bad input."""
     from dpcourse.grading import gradebook
 
-    check_outputs(args)
+    gradebook.check_outputs(args)
     _exit_on_termination()
     try:
         report = grade(args.paths, timeout=args.timeout, feedback=args.feedback,

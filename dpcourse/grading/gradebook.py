@@ -17,7 +17,9 @@ import csv
 import io
 import json
 import os
+import tempfile
 
+from dpcourse.argtypes import UsageError
 from dpcourse.formatting import format_table
 from dpcourse.grading.report import NOT_GRADED_STATUS, strip_ansi
 
@@ -28,6 +30,35 @@ def _atomic_write(path: str, text: str) -> None:
     with open(tmp, "w", newline="", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def _unwritable(folder: str) -> str | None:
+    if not os.path.isdir(folder):
+        return f"{folder} {'is not a directory' if os.path.exists(folder) else 'does not exist'}"
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        return f"{folder} is not writable ({exc.strerror})"
+    return None
+
+
+def check_outputs(args) -> None:
+    """Refuse, before minutes of grading, an output path that could not be written afterwards."""
+    for flag in ("--json", "--csv", "--lms-csv", "--feedback"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if flag == "--feedback":
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise UsageError(f"grade: {flag} {path} is a file; give a directory")
+            folder = os.path.abspath(path)
+            while not os.path.exists(folder):  # created with its missing parents
+                folder = os.path.dirname(folder)
+        elif os.path.isdir(path):
+            raise UsageError(f"grade: {flag} {path} is a directory; give a file name")
+        if why := _unwritable(folder):
+            raise UsageError(f"grade: {flag} {path} cannot be written: {why}")
 
 
 def counted_max(row: dict) -> float:

@@ -148,8 +148,7 @@ class CheckResult:
         lines += [f"  {label}: {text}" for label, text in notes]
         return "\n".join(lines)
 
-    def __repr__(self) -> str:
-        return str(self)
+    __repr__ = __str__
 
     def _repr_html_(self) -> str:
         rows, notes = self.said()
@@ -209,7 +208,7 @@ def _display(result: CheckResult) -> None:
 def show(result: CheckResult) -> None:
     """Display ``result`` now: HTML in Jupyter, plain text in a terminal."""
     ip = _ipython()
-    if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":
+    if type(ip).__name__ == "ZMQInteractiveShell":
         _display(result)
     else:
         print(result, flush=True)

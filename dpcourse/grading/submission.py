@@ -33,11 +33,9 @@ def _transform(source: str) -> str:
     """Turn IPython syntax (``%magic``, ``!cmd``) into Python; plain Python passes unchanged."""
     try:
         from IPython.core.inputtransformer2 import TransformerManager
-    except ImportError:
-        return source
-    try:
+
         return TransformerManager().transform_cell(source)
-    except Exception:  # noqa: BLE001 - leave it to ast.parse to report
+    except Exception:  # noqa: BLE001 - no IPython, or a cell it cannot read: ast.parse says why
         return source
 
 
