@@ -2,7 +2,7 @@
 ``python -m dpcourse.grading.executor IN.ipynb OUT.ipynb PROGRESS [SANDBOX]`` in its own
 session, watches PROGRESS and kills it, its kernel and all they started at the time limit.
 
-PROGRESS receives ``ready``, ``start N`` and ``done N`` around each code cell, and a last
+PROGRESS receives ``ready``, ``start N`` before each code cell, and a last
 line ``end STATUS N MESSAGE``. With SANDBOX (JSON: ``bwrap``, ``package``,
 ``disable_userns``, ``env``) only the kernel runs in the sandbox, with this process's
 working directory as its scratch; they talk ZeroMQ over Unix sockets there (``ipc``
@@ -93,7 +93,6 @@ def main(src: str, dst: str, progress_path: str, sandbox: str | None = None) -> 
                     client.execute_cell(cell, index)
                 finally:
                     save()
-                progress.write(f"done {index}\n")
     except CellExecutionError as exc:
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         status, message = "error", lines[-1] if lines else type(exc).__name__

@@ -31,23 +31,19 @@ SKIP_ENV = "DPCOURSE_GRADING_KERNEL"  # set in dpcourse grade's kernel: check() 
 STARTUP_TIMEOUT = 90.0  # starting Python and torch in every rank; slow on a loaded machine
 
 
-def _failure_text(failure: Failure, ws: int | None) -> str:
-    where = f"world size {ws}: " if ws and failure.kind != "timeout" else ""
-    text = where + failure.text
-    if failure.traceback:
-        text += "\n" + failure.traceback
-    return strip_ansi(text)
-
-
 STUB_HINT = ("Your code reached a part that is not written yet (the note above names it): write "
              "it, then grade again. The criteria are judged once the code runs through.")
 
 
 def _merge(spec: Exercise, names: dict, defined: set, records: list[CaseVerdict],
            failure: tuple[int | None, Failure] | None, findings: list[str]) -> list[CriterionResult]:
-    told = _failure_text(failure[1], failure[0]) if failure is not None else ""
+    told, hung = "", False
+    if failure is not None:  # what stopped the run: where (unless it hung), what, traceback
+        ws, why = failure
+        hung = why.kind == "timeout"
+        told = strip_ansi(("" if hung or not ws else f"world size {ws}: ") + why.text
+                          + (f"\n{why.traceback}" if why.traceback else ""))
     stopped = told.splitlines()[0] if told else ""
-    hung = failure is not None and failure[1].kind == "timeout"
     results: dict[str, CriterionResult] = {}
     for c in spec.criteria:
         seen = [r for r in records if r.criterion == c.name]
@@ -82,14 +78,14 @@ def _merge(spec: Exercise, names: dict, defined: set, records: list[CaseVerdict]
             # A run stopped at a stub, whichever part it is: this criterion's own hint
             # would name a cause the learner's code never reached.
             extra = spec.explain(r.detail)
-            r.hint = (STUB_HINT if failure is not None and failure[1].exc_type == NOT_IMPLEMENTED
+            r.hint = (STUB_HINT if failure is not None and why.exc_type == NOT_IMPLEMENTED
                       else f"{extra} {c.hint}".strip() if extra and extra not in c.hint
                       else c.hint)
     return list(results.values())
 
 
 def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
-              timeout: float | None = None, seed: int | None = None,
+              timeout: float | None = None,
               problems: list[str] | None = None, pickled: str | None = None,
               sandbox=None) -> CheckResult:
     """Run ``spec`` on the learner's kept ``cells`` and return the judged :class:`CheckResult`.
@@ -99,7 +95,6 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
         cells: ``(label, source)`` from :func:`dpcourse.grading.submission.extract`.
         names: ``{role: name in the notebook}`` of the definitions to grade.
         timeout: seconds per round before the ranks count as hung (default: the check's).
-        seed: seed of the random cases (default: a fresh secret one).
         problems: notes about cells that could not be read.
         pickled: the objects by value (base64 cloudpickle) instead of ``cells``, for a
             ``check()`` on objects whose source cannot be found.
@@ -127,7 +122,7 @@ def run_check(spec: Exercise, cells: list[tuple[str, str]], names: dict, *,
         failure = (None, Failure("error", f"your code raised: NotImplementedError: {stub}", None,
                                  NOT_IMPLEMENTED))
     else:
-        rng = random.Random(seed if seed is not None else secrets.randbits(64))
+        rng = random.Random(secrets.randbits(64))  # cases no notebook can know in advance
         sizes = spec.world_sizes or (1,)
         setup = {"check": spec.name, "cells": cells, "names": present, "pickled": pickled}
         with World(max(sizes), setup, label=spec.name, sandbox=sandbox,
