@@ -5,7 +5,12 @@
 
 * a PID namespace and a new session: the grader and the other graded processes are
   not visible, so they cannot be signalled, ptraced or read through ``/proc``; no
-  capabilities, and no further user namespaces;
+  capabilities, and no further user namespaces. What graded code sees there is its
+  own processes and bwrap's pid 1 (the same user, no capabilities, an empty
+  environment), which it may ptrace where the kernel's ptrace rules allow: that gives
+  nothing, as pid 1 holds ``/dev/null``, the output the graded process holds too, and
+  the eventfd through which it reports the exit status, whose writing ends the sandbox
+  as exiting does;
 * a network namespace with only its own loopback: no Internet, no DNS, no port of
   the machine. The grader's channel is a file descriptor the process inherits (a
   rank's socket pair) or a Unix socket in its scratch folder (the kernel's ZeroMQ

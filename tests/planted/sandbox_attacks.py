@@ -185,7 +185,11 @@ for pid in visible:
                 learned.add(int(item.split("=", 1)[1]))
     for name, request in (("PTRACE_SEIZE", SEIZE), ("PTRACE_ATTACH", ATTACH)):
         why = attach(pid, request)
-        # A process of this sandbox: what it can give is listed above (its fds).
+        # A process of this sandbox, bwrap's pid 1 (and this code's own children): where
+        # ptrace rules let it attach, it gains nothing, as pid 1 runs as the same user
+        # without capabilities, in the same namespaces, with an empty environment, and
+        # holds /dev/null, the output this process holds too and the eventfd through
+        # which bwrap reports the exit status (the "fds beyond its own" line above).
         log.append("%s pid %d inside the sandbox: %s" % (name, pid, why or "attached"))
     try:
         if secret_in("/proc/%d/mem" % pid):
