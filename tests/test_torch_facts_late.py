@@ -27,6 +27,13 @@ import dpcourse
 from test_torch_facts import _nccl_ranks
 
 
+# AdamW and SGD with momentum, both with weight decay: the optimizers lessons 11 and 13 speak of.
+_AN_ADAMW_AND_AN_SGD = pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+], ids=["adamw", "sgd_momentum"])
+
+
 # --------------------------------------------------------------------------- lesson 11
 
 def test_ddp_finds_no_unused_parameters_and_assumes_no_static_graph_by_default():
@@ -35,6 +42,51 @@ def test_ddp_finds_no_unused_parameters_and_assumes_no_static_graph_by_default()
     params = inspect.signature(DDP.__init__).parameters
     assert params["find_unused_parameters"].default is False
     assert params["static_graph"].default is False
+
+
+class _UsedOnRankZero(nn.Module):
+    """Four Linear layers: ``b`` on every rank, ``d`` only where ``use_d``, ``c`` never."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 1),
+                                          nn.Linear(4, 1))
+
+    def forward(self, x, use_d):
+        h = self.a(x)
+        return self.b(h) + self.d(h) if use_d else self.b(h)
+
+
+def _grads_when_only_rank_0_uses_d():
+    """torch DDP with find_unused_parameters=True: rank 0's forward uses ``d``, rank 1's does not."""
+    model = DDP(_UsedOnRankZero(), find_unused_parameters=True)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x, dist.get_rank() == 0).sum().backward()
+    return {n: None if q.grad is None else q.grad.clone() for n, q in model.module.named_parameters()}
+
+
+def test_find_unused_parameters_leaves_no_gradient_only_where_no_rank_used_the_parameter():
+    """Lesson 11, section 4: with find_unused_parameters=True the ranks learn which parameters
+    any rank used: a layer only rank 0 used gets the same averaged gradient on both ranks (rank 1
+    adds zeros), while the layer no rank used keeps .grad None on every rank."""
+    zero, one = dpcourse.run(_grads_when_only_rank_0_uses_d, world_size=2, device="cpu")
+    for grads in (zero, one):
+        assert [n for n, g in grads.items() if g is None] == ["c.weight", "c.bias"]
+    for name in ("d.weight", "d.bias"):
+        assert torch.equal(zero[name], one[name]) and zero[name].abs().sum() > 0
+
+
+@_AN_ADAMW_AND_AN_SGD
+def test_optimizers_skip_parameters_whose_grad_is_none(make_opt):
+    """Lesson 11, section 4: an optimizer step leaves a parameter whose .grad is None untouched
+    (not even weight decay) and keeps no state for it."""
+    used, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    opt = make_opt([used, unused])
+    used.grad = torch.full((3,), 0.5)
+    opt.step()
+    assert not torch.equal(used.detach(), torch.ones(3))
+    assert torch.equal(unused.detach(), torch.ones(3)) and unused not in opt.state
 
 
 @pytest.mark.gpu(2)
@@ -110,10 +162,7 @@ def _step_whole_and_in_chunks(make_opt, sizes=(4, 4, 2), steps=3):
     return whole.detach(), torch.cat([c.detach() for c in chunks])
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
-], ids=["adamw", "sgd_momentum"])
+@_AN_ADAMW_AND_AN_SGD
 def test_adamw_and_sgd_update_each_element_from_its_own_gradient_and_state(make_opt):
     """Lesson 13, "Cutting every tensor into N pieces": AdamW and SGD (with momentum and weight
     decay) give the same bits whether a tensor is stepped whole or cut into chunks, each chunk
