@@ -14,7 +14,9 @@ Each criterion watches a cause, not only the end result:
   the rank notes whether ``param.grad`` is empty (stale, erased or right);
 * weighting: a hook on every loss ``loss_fn`` returns reads the factor the
   learner's backward applied to it, per micro-batch;
-* communication: the wrapper counts the gradients it all-reduces.
+* communication: every all-reduce of a parameter's ``.grad`` (the wrapper's or the
+  learner's own) is noted with the parameter, how many backward calls of the step had
+  started, whether ``optimizer.step()`` had run, and who issued it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch import nn
 from torch.autograd import Variable
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict, begin
+from dpcourse.grading.checks.base import CaseVerdict, begin, follow_causes
+from dpcourse.grading.checks.ex07_no_sync import GradReductions, count_detail
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, DistModule
 
@@ -46,13 +49,13 @@ def case_sizes(case: str, rank: int) -> list[int]:
 
 class _LikeDDP(nn.Module):
     """Averages gradients over ranks at the end of each backward whose forward ran outside
-    ``no_sync()`` (decided at forward time, as torch DDP does); counts what it all-reduces."""
+    ``no_sync()`` (decided at forward time, as torch DDP does); ``syncing`` while it does."""
 
     def __init__(self, module, dist):
         super().__init__()
         self.module, self.dist = module, dist
         self.require_backward_grad_sync, self.sync_this_backward = True, True
-        self.reduced, self.queued = [], False
+        self.syncing, self.queued = False, False
         for p in module.parameters():
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -66,12 +69,14 @@ class _LikeDDP(nn.Module):
             Variable._execution_engine.queue_callback(self._sync)
 
     def _sync(self):
-        self.queued = False
-        for p in self.module.parameters():
-            if p.grad is not None:
-                self.reduced.append(p.numel())
-                p.grad.div_(self.dist.get_world_size())
-                self.dist.all_reduce(p.grad)
+        self.queued, self.syncing = False, True
+        try:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self.dist.get_world_size())
+                    self.dist.all_reduce(p.grad)
+        finally:
+            self.syncing = False
 
     def finish_gradient_synchronization(self):
         """Nothing left to do: the end of a synchronising backward already averaged."""
@@ -111,10 +116,11 @@ class TokenWeighted(d.DDPExercise):
                   "many rows it holds: a rank with more rows than the others is under-weighted "
                   "unless its losses account for its share of all ranks' rows, which no rank "
                   "knows on its own.", weight=2),
-        Criterion("syncs_once_per_step", "each gradient is all-reduced exactly once per "
-                  "optimizer step", "Gradients were all-reduced more than once per step: every "
-                  "backward whose forward ran outside no_sync() synchronises (the wrapper "
-                  "decides at forward time, as torch DDP does)."),
+        Criterion("syncs_once_per_step", "each parameter's gradient is all-reduced exactly "
+                  "once per optimizer step, after the step's last backward began and before "
+                  "optimizer.step()", "Gradients were all-reduced more than once per step: "
+                  "every backward whose forward ran outside no_sync() synchronises (the "
+                  "wrapper decides at forward time, as torch DDP does)."),
         Criterion("matches_single_process", "the gradient at optimizer.step() and the parameters "
                   "after it equal one process's SGD step on the concatenated global batch",
                   "Check the other criteria first: each names one cause of a wrong gradient.",
@@ -169,18 +175,24 @@ class TokenWeighted(d.DDPExercise):
                 log.setdefault("fresh", []).append(_fresh(params))
                 return original(*args, **kwargs)
 
+            def note(owner, log=log, wrapped=wrapped):
+                return {"param": owner, "backward": len(log.get("fresh", [])),
+                        "stepped": "at_step" in log, "wrapper": wrapped.syncing}
+
             steps = []
             for s, micro in enumerate(case["steps"]):
-                log.clear(), weights.clear(), wrapped.reduced.clear()
-                begin(link, f"{case['case']}, step {s}")
+                log.clear(), weights.clear()
+                label = f"{case['case']}, step {s}"
+                begin(link, label)
                 torch.autograd.backward = watched
                 try:
-                    learner["main"](wrapped, optimizer, micro, loss_fn)
+                    with GradReductions(link, lambda params=params: params, note, label) as watch:
+                        learner["main"](wrapped, optimizer, micro, loss_fn)
                 finally:
                     torch.autograd.backward = original
                 steps.append({"fresh": log.get("fresh", []), "at_step": log.get("at_step"),
                               "weights": [weights.get(j) for j in range(len(weights))],
-                              "reduced": list(wrapped.reduced),
+                              "reduced": watch.by_case.get(label, []),
                               "params": [p.detach().clone() for p in params]})
             out.append(steps)
         return out
@@ -189,7 +201,7 @@ class TokenWeighted(d.DDPExercise):
         recs = []
         tol = tolerance("gloo", torch.float32, "vs_single")
         names = [n for n, _ in d.make_model(0).named_parameters()]
-        numels = sorted(p.numel() for p in d.make_model(0).parameters())
+        causes = {}
         for k, case in enumerate(CASES):
             single = d.make_model(inputs[0]["seed"])
             opt = torch.optim.SGD(single.parameters(), lr=d.LR)
@@ -206,9 +218,8 @@ class TokenWeighted(d.DDPExercise):
                     got, label = outputs[r][k][s], f"{case}, step {s}, rank {r}"
                     recs.append(self._zeroing(got, label))
                     recs += self._weights(got["weights"], case_sizes(case, r), ws, total, label)
-                    recs.append(CaseVerdict("syncs_once_per_step", sorted(got["reduced"]) == numels,
-                                       f"all-reduced gradients of {sorted(got['reduced'])} "
-                                       f"elements, the parameters have {numels}", label))
+                    rec, causes[label] = self._syncs(names, got, label)
+                    recs.append(rec)
                     if got["at_step"] is None:
                         recs.append(CaseVerdict("matches_single_process", False,
                                            "optimizer.step() was not called", label))
@@ -220,7 +231,32 @@ class TokenWeighted(d.DDPExercise):
                     bad = [x for x in bad if x[1]]
                     recs.append(CaseVerdict("matches_single_process", not bad,
                                        f"{bad[0][0]}: {bad[0][1]}" if bad else "", label))
+        follow_causes(self, recs, lambda rec: _SYNC_HINTS.get(causes.get(rec.case), "")
+                      if rec.criterion == "syncs_once_per_step" else "")
         return recs
+
+    @staticmethod
+    def _syncs(names, got, label) -> tuple[CaseVerdict, str]:
+        """The record of syncs_once_per_step for one step of one rank, and its cause."""
+        grads = [x for x in got["reduced"] if x["param"] is not None]
+        n = len(got["fresh"])
+        detail, cause = count_detail(names, [x["param"] for x in grads])
+        if cause == "often" and any(not x["wrapper"] for x in grads):
+            cause = "yours"
+            detail += (f"; {sum(not x['wrapper'] for x in grads)} of them issued by your code, "
+                       f"{sum(x['wrapper'] for x in grads)} by the wrapper")
+        elif cause == "often":
+            ends = sorted({x["backward"] for x in grads})
+            detail += (f"; the wrapper synchronised at the end of backward call(s) "
+                       f"{', '.join(map(str, ends))} of {n}")
+        elif not detail and any(x["stepped"] for x in grads):
+            cause, detail = "after_step", "the gradients were all-reduced after optimizer.step()"
+        elif not detail and any(x["backward"] < n for x in grads):
+            first = min(x["backward"] for x in grads)
+            cause, detail = "early", (f"the gradients were all-reduced once, during backward "
+                                      f"call {first} of the step's {n}: the later ones added "
+                                      "their gradients after it")
+        return CaseVerdict("syncs_once_per_step", not detail, detail, label), cause
 
     @staticmethod
     def _zeroing(got, label) -> CaseVerdict:
@@ -254,3 +290,16 @@ class TokenWeighted(d.DDPExercise):
                 CaseVerdict("weights_across_ranks", math.isclose(share, want_sum, rel_tol=1e-5),
                        f"{sum(sizes)} of {total} rows: its loss weights add up to {share:.4g}, "
                        f"expected {want_sum:.4g}", label)]
+
+
+_SYNC_HINTS = {
+    "never": "No backward synchronised the gradients: the wrapper averages only at the end of a "
+             "backward whose forward ran outside no_sync() (it decides at forward time), and "
+             "finish_gradient_synchronization() adds nothing.",
+    "yours": "Your code all-reduced param.grad on top of the wrapper: the wrapper had already "
+             "averaged it at the end of the backward whose forward ran outside no_sync().",
+    "early": "The backward that synchronised was not the step's last: the wrapper averages what "
+             "param.grad holds at the end of that backward, and what the later backwards add "
+             "stays this rank's own.",
+    "after_step": "optimizer.step() ran before the all-reduce, on this rank's own gradients.",
+}
