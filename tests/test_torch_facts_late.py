@@ -27,6 +27,10 @@ import dpcourse
 from test_torch_facts import _nccl_ranks
 
 
+# An NCCL_DEBUG=INFO line naming a channel's transport: "Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM"
+# (network channels also say "[send]" or "[receive]" before "via").
+_CHANNEL_VIA = re.compile(r"->\s*\d+\[\d+\]\s*(?:\[\w+\]\s*)?via (\S+)")
+
 # AdamW and SGD with momentum, both with weight decay: the optimizers lessons 11 and 13 speak of.
 _AN_ADAMW_AND_AN_SGD = pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
@@ -106,7 +110,7 @@ def test_nccl_without_p2p_and_shm_connects_through_its_network_transport(tmp_pat
     logs = [p.read_text() for p in tmp_path.glob("nccl.*.log")]
     assert len(logs) == 2
     for log in logs:
-        transports = re.findall(r" via (\S+)", log)
+        transports = _CHANNEL_VIA.findall(log)
         assert transports, log[-3000:]
         assert all(t.startswith("NET/") for t in transports), sorted(set(transports))
 
@@ -258,7 +262,7 @@ def test_nccl_tools_print_what_lesson_15_reads_beside_the_watchdog(tmp_path):
 
     for rank in (0, 1):
         info = out("nccl_debug_info", rank)
-        assert "NCCL version" in info and re.search(r" via \S+", info), info[-3000:]
+        assert "NCCL version" in info and _CHANNEL_VIA.search(info), info[-3000:]
     assert "Observed flight recorder dump signal from another rank" in out("skipped_collective", 1)
     assert "taking the entire process down" in out("blocking_wait", 0)
     assert runs["blocking_wait"]["ranks"][0]["status"] != "exit status 0"
