@@ -158,7 +158,7 @@ def test_the_relay_computes_nothing_the_exercise_does_not_allow():
     """A refused operation fails the round before any rank gets a reply."""
     import socket
 
-    from dpcourse.grading.world import MessageRelay, Round, allowed_ops
+    from dpcourse.grading.relay import MessageRelay, Round, allowed_ops
     from dpcourse.grading.shim import COLLECTIVES, P2P
 
     pairs = [socket.socketpair() for _ in range(2)]

@@ -1,17 +1,14 @@
-"""The ``torch.distributed`` a graded rank sees: only what the exercise allows, carried by the grader.
+"""The ``torch.distributed`` a graded rank sees: what the exercise allows, carried by the grader.
 
-In a graded rank, ``torch.distributed`` (imported either way) is a :class:`DistModule`
-(:func:`make_builtins`; objects sent by value are pointed at it by :func:`rebind`), and
-torch's own process group is never initialised: every message and collective goes
-through a socket to the grader, which delivers it, reduces it and counts its bytes. So
-in the ring exercise there is no collective to call under any name, torch DDP cannot
-communicate at all, and a rank's bytes are counted outside the rank.
+In a graded rank, ``torch.distributed`` (imported either way, see :mod:`dpcourse.grading.rank`)
+is a :class:`DistModule`, and torch's own process group is never initialised: every message
+and collective goes through a socket to the grader, which delivers it, reduces it and counts
+its bytes. So in the ring exercise there is no collective to call under any name, torch DDP
+cannot communicate at all, and a rank's bytes are counted outside the rank.
 """
 
 from __future__ import annotations
 
-import builtins
-import contextlib
 import types
 
 import torch
@@ -36,9 +33,8 @@ class P2POp:
     """A point-to-point operation for :func:`batch_isend_irecv` (as ``dist.P2POp``)."""
 
     def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
-        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
-        if peer is None and group_peer is not None:
-            self.peer = group_peer
+        self.op, self.tensor, self.group, self.tag = op, tensor, group, tag
+        self.peer = peer if peer is not None else group_peer
 
 
 def _check_tensor(tensor, fn: str):
@@ -58,9 +54,22 @@ def _check_memory(tensor, fn: str, role: str) -> None:
             "or writes it, and free it only after the collective has finished (after wait()).")
 
 
-def _describe(t: torch.Tensor) -> str:
+def _tensor_size(t: torch.Tensor) -> str:
     return (f"{t.numel()} {str(t.dtype).replace('torch.', '')} elements "
             f"({t.numel() * t.element_size()} bytes)")
+
+
+def _check_sharded(fn: str, whole, part, world_size: int, whole_role: str, part_role: str):
+    """Refuse a ``whole`` that is not ``world_size`` parts of ``part``'s size and dtype."""
+    if whole.numel() != world_size * part.numel() or whole.dtype != part.dtype:
+        raise ValueError(
+            f"{fn}: the {whole_role} must hold world_size ({world_size}) x the {part_role}, in "
+            f"the {part_role}'s dtype: got an {whole_role} of {_tensor_size(whole)} for an "
+            f"{part_role} of {_tensor_size(part)}.")
+
+
+def _reduce_name(op) -> str:
+    return op if isinstance(op, str) else str(getattr(op, "name", op)).lower()
 
 
 class DistModule(types.ModuleType):
@@ -134,8 +143,8 @@ class DistModule(types.ModuleType):
             got = tensors[0]
             if got.dtype != tensor.dtype or got.numel() != tensor.numel():
                 raise RuntimeError(
-                    f"rank {rank} received {_describe(got)} from rank {src} into a buffer of "
-                    f"{_describe(tensor)}: a receive buffer must have the dtype and the number "
+                    f"rank {rank} received {_tensor_size(got)} from rank {src} into a buffer of "
+                    f"{_tensor_size(tensor)}: a receive buffer must have the dtype and the number "
                     "of elements of what the peer sends (e.g. torch.empty_like(the chunk)).")
             with torch.no_grad():
                 tensor.view(-1).copy_(got.reshape(-1)) if tensor.is_contiguous() else \
@@ -149,8 +158,7 @@ class DistModule(types.ModuleType):
     def recv(self, tensor, src=None, group=None, tag=0, group_src=None) -> int:
         if src is None and group_src is None:
             raise ValueError("recv: give src (receiving from any rank is not supported here)")
-        work = self.irecv(tensor, src, group, tag, group_src)
-        work.wait()
+        self.irecv(tensor, src, group, tag, group_src).wait()
         return src if src is not None else group_src
 
     def batch_isend_irecv(self, p2p_op_list):
@@ -188,7 +196,7 @@ class DistModule(types.ModuleType):
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, group=None, async_op=False):
         _check_tensor(tensor, "all_reduce")
-        name = op if isinstance(op, str) else str(getattr(op, "name", op)).lower()
+        name = _reduce_name(op)
         if name not in ("sum", "product", "min", "max"):
             raise ValueError(f"all_reduce: reduction {op!r} is not supported by gloo; use SUM "
                              "and divide by the world size")
@@ -206,13 +214,8 @@ class DistModule(types.ModuleType):
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
         _check_tensor(output_tensor, "all_gather_into_tensor")
         _check_tensor(input_tensor, "all_gather_into_tensor")
-        n = self._link.world_size
-        if output_tensor.numel() != n * input_tensor.numel() or \
-                output_tensor.dtype != input_tensor.dtype:
-            raise ValueError(
-                f"all_gather_into_tensor: the output must hold world_size ({n}) x the input, in "
-                f"the input's dtype: got an output of {_describe(output_tensor)} for an input "
-                f"of {_describe(input_tensor)}.")
+        _check_sharded("all_gather_into_tensor", output_tensor, input_tensor,
+                       self._link.world_size, "output", "input")
         _check_memory(output_tensor, "all_gather_into_tensor", "output")
         return self._collective("all_gather_into_tensor", input_tensor, async_op,
                                 output=output_tensor)
@@ -221,85 +224,12 @@ class DistModule(types.ModuleType):
                               async_op=False):
         _check_tensor(output, "reduce_scatter_tensor")
         _check_tensor(input, "reduce_scatter_tensor")
-        name = op if isinstance(op, str) else str(getattr(op, "name", op)).lower()
+        name = _reduce_name(op)
         if name != "sum":
             raise ValueError(f"reduce_scatter_tensor: reduction {op!r} is not supported here; "
                              "use SUM (and divide by the world size yourself)")
-        n = self._link.world_size
-        if input.numel() != n * output.numel() or input.dtype != output.dtype:
-            raise ValueError(
-                f"reduce_scatter_tensor: the input must hold world_size ({n}) x the output, in "
-                f"the output's dtype: got an input of {_describe(input)} for an output of "
-                f"{_describe(output)}.")
+        _check_sharded("reduce_scatter_tensor", input, output, self._link.world_size, "input",
+                       "output")
         _check_memory(output, "reduce_scatter_tensor", "output")
         return self._collective("reduce_scatter_tensor", input, async_op, output=output,
                                 reduce=name)
-
-class TorchView(types.ModuleType):
-    """``torch`` as graded code sees it: torch itself, except ``torch.distributed``."""
-
-    def __init__(self, dist_module: DistModule):
-        super().__init__("torch", torch.__doc__)
-        self.__dict__["distributed"] = dist_module
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-def make_builtins(dist_module: DistModule) -> dict:
-    """Return builtins whose ``__import__`` gives graded code the grader's ``torch.distributed``."""
-    real_import = builtins.__import__
-    view = TorchView(dist_module)
-
-    def graded_import(name, globals=None, locals=None, fromlist=(), level=0):
-        if level == 0 and name == "torch":
-            return view
-        if level == 0 and name == "torch.distributed":
-            return dist_module if fromlist else view
-        if level == 0 and name.startswith("torch.distributed."):
-            raise ImportError(f"{name} is not available to graded code: use torch.distributed's "
-                              "public functions (import torch.distributed as dist).")
-        return real_import(name, globals, locals, fromlist, level)
-
-    table = dict(vars(builtins))
-    table["__import__"] = graded_import
-    return table
-
-
-def rebind(objs: dict, dist_module: DistModule, builtins_table: dict) -> dict:
-    """Point objects sent by value (cloudpickle) at the grader's ``torch.distributed``; return them.
-
-    Every function reachable from ``objs`` gets ``dist_module`` in place of torch's module
-    and ``builtins_table`` as its builtins, so imports inside it resolve the same way.
-    """
-    import torch.distributed as real_dist
-
-    view, seen, todo = TorchView(dist_module), set(), list(objs.values())
-    while todo:
-        item = todo.pop()
-        if id(item) in seen or item is None:
-            continue
-        seen.add(id(item))
-        if isinstance(item, type):
-            todo += list(vars(item).values()) + [b for b in item.__bases__
-                                                 if b.__module__ == item.__module__]
-        elif isinstance(item, (staticmethod, classmethod)):
-            todo.append(item.__func__)
-        elif isinstance(item, property):
-            todo += [item.fget, item.fset]
-        elif isinstance(item, types.FunctionType):
-            g = item.__globals__
-            g["__builtins__"] = builtins_table
-            for key, value in list(g.items()):
-                if value is real_dist:
-                    g[key] = dist_module
-                elif value is torch:
-                    g[key] = view
-                elif isinstance(value, (types.FunctionType, type)) and \
-                        getattr(value, "__module__", None) == item.__module__:
-                    todo.append(value)
-            for cell in item.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell has no contents
-                    if isinstance(cell.cell_contents, (types.FunctionType, type)):
-                        todo.append(cell.cell_contents)
-    return objs

@@ -35,7 +35,7 @@ def pack(obj):
             return [walk(v) for v in x]
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
-        return {"__repr__": f"{type(x).__name__}"}
+        return {"__repr__": type(x).__name__}
     return walk(obj), tensors
 
 
@@ -68,7 +68,6 @@ def encode(header: dict, tensors=()) -> bytes:
 
 
 def decode(head: bytes, payload: bytes) -> tuple[dict, list[torch.Tensor]]:
-    """Parse one message's header and payload into ``(header, tensors)``."""
     try:
         header = json.loads(head)
     except ValueError as exc:
@@ -99,7 +98,6 @@ class Reader:
         self.buffer = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[dict, list[torch.Tensor]]]:
-        """Add received bytes; return the messages now complete."""
         self.buffer += data
         out = []
         while len(self.buffer) >= _FRAME.size:
