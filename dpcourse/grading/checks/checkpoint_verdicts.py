@@ -58,16 +58,8 @@ def uninterrupted(inputs: list) -> dict:
 def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     """Judge every rank's save, load and resumed run against the uninterrupted run."""
     shutil.rmtree(inputs[0]["folder"], ignore_errors=True)
-    recs = []
-    for r, out in enumerate(outputs):
-        detail = ""
-        if r != 0 and out["saved_calls"]:
-            detail = f"rank {r} called torch.save"
-        elif r == 0 and not out["saved_calls"]:
-            detail = "rank 0 never called torch.save"
-        elif not out["exists"]:
-            detail = f"rank {r}: save_checkpoint returned before the file existed"
-        recs.append(CaseVerdict("rank_0_writes", not detail, detail))
+    recs = [CaseVerdict("rank_0_writes", not detail, detail)
+            for detail in (_write_detail(r, outputs) for r in range(len(outputs)))]
     if "loaded" not in outputs[0]:
         return recs
     want = uninterrupted(inputs)
@@ -95,6 +87,38 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     return recs
 
 
+_OTHER_WROTE = "called torch.save"
+_NOT_WRITTEN = "never called torch.save"
+_EARLY = "save_checkpoint returned while"
+
+
+def _write_detail(r: int, outputs: list) -> str:
+    """Why rank ``r`` fails rank_0_writes: it wrote, or the file at ``path`` was not rank 0's
+    complete checkpoint when its save_checkpoint returned; ``""`` if neither."""
+    out, writes = outputs[r], outputs[0]["writes"]
+    if r != 0 and out["saved_calls"]:
+        return f"rank {r} {_OTHER_WROTE}"
+    if r == 0 and not out["saved_calls"]:
+        return f"rank 0 {_NOT_WRITTEN}"
+    mine = [w for w in writes if w["file"] == out["path"]]
+    if not mine:
+        files = ", ".join(sorted({w["file"].rsplit("/", 1)[-1] for w in writes})) or "nothing"
+        return (f"rank {r}: rank 0's torch.save wrote {files}, not the path save_checkpoint "
+                "was given")
+    seen, final = out["at_return"], mine[-1]
+    if seen["digest"] == final["digest"]:
+        return ""
+    if not seen["exists"]:
+        held = "there was no file at the path yet"
+    elif any(seen["digest"] == w["digest"] for w in mine[:-1]):
+        held = (f"the path held an earlier checkpoint ({seen['size']} bytes) that rank 0 then "
+                "wrote over")
+    else:
+        held = (f"the path held {seen['size']} of the {final['size']} bytes of rank 0's "
+                "checkpoint, half written")
+    return f"rank {r}: {_EARLY} {held}"
+
+
 _NOT_RESTORED = "no state was restored"
 _NO_RANKS = "a state no rank had at saving time"
 
@@ -116,6 +140,8 @@ def _rng_detail(r: int, outputs: list) -> str:
 
 def cause(spec, ws: int, rec: CaseVerdict) -> str:
     """The hint for the cause of a failing record (see :func:`~.base.follow_causes`)."""
+    if rec.criterion == "rank_0_writes":
+        return _write_cause(rec.detail)
     if rec.criterion != "restores_each_ranks_rng":
         return ""
     rank = rec.detail.split(":", 1)[0].capitalize()
@@ -134,4 +160,16 @@ def cause(spec, ws: int, rec: CaseVerdict) -> str:
                 "was read before or after other random draws than those at saving time (take "
                 "it when save_checkpoint is called, and set it last when loading), or it was "
                 "changed on the way.")
+    return ""
+
+
+def _write_cause(detail: str) -> str:
+    if _OTHER_WROTE in detail:
+        return ("A rank other than 0 wrote a file: every rank holds the same weights, so one "
+                "writer is enough, and several writing one path can leave it mixed.")
+    if _EARLY in detail:
+        rank = detail.split(":", 1)[0].capitalize()
+        return (f"{rank} returned from save_checkpoint while rank 0 was still writing: nothing "
+                "it waited for came after the end of rank 0's last torch.save, so it could go "
+                "on, and read the file, before the file was complete.")
     return ""

@@ -1,0 +1,83 @@
+"""Exercises 07 and 08 judge what their criteria claim.
+
+07: each parameter's gradient, by identity, all-reduced exactly once per step, after the
+step's last backward; a count of elements let a summed copy, a second reduction and a sync
+on the first micro-batch through. 08: the file each rank finds when save_checkpoint
+returns, with rank 0's torch.save stopped halfway until the other ranks have returned or
+wait for it; a look for the file 0.3 s after a sleep let a rank that returned early through.
+
+Each planted mistake (tests/planted/sync_write_bugs.py) passed the old criterion; here it
+fails it with the hint for its cause, while the solutions keep full marks.
+"""
+
+import pytest
+
+from dpcourse.grading import check
+from planted import sync_write_bugs as bugs
+from test_exercises_transfer import _assert_all_passed, solution  # noqa: F401 - the fixture
+from test_grading_criteria import _failed_with
+
+
+# -- 07, part 1: the wrapper's hooks -----------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_a_hook_that_sums_a_copy_of_the_gradient_fails_syncs_once_per_step():
+    """Six all-reduces of the right sizes per step, none of them of a param.grad."""
+    result = check("no_sync", bugs.HookedDDPReducesACopy, quiet=True)
+    _failed_with(result, "syncs_once_per_step", "0.weight 0, 0.bias 0",
+                 "not p.grad: the sum lands in the new tensor")
+    assert "6 all-reduce(s) of tensors that are no parameter's .grad" in \
+        result.criterion("syncs_once_per_step").detail
+
+
+# -- 07, part 2: the learner's accumulation loop -----------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_a_second_all_reduce_on_top_of_the_wrappers_fails_only_syncs_once_per_step():
+    """Averaging averaged gradients again changes no value: only the count shows it."""
+    result = check("token_weighted", bugs.accumulate_reducing_again, quiet=True)
+    _failed_with(result, "syncs_once_per_step", "0.weight 2", "on top of the wrapper")
+    assert "6 of them issued by your code, 6 by the wrapper" in \
+        result.criterion("syncs_once_per_step").detail
+    assert [c for c in result.failed() if c not in ("no_delegation", "no_deadlock")] == \
+        ["syncs_once_per_step"]
+
+
+@pytest.mark.timeout(300)
+def test_syncing_on_the_first_micro_batch_fails_syncs_once_per_step_with_its_cause():
+    """One all-reduce per parameter, but of the first micro-batch's gradient only."""
+    result = check("token_weighted", bugs.accumulate_syncing_first, quiet=True)
+    _failed_with(result, "syncs_once_per_step", "during backward call 1 of the step's 3",
+                 "was not the step's last")
+    assert not result.criterion("matches_single_process").passed
+
+
+@pytest.mark.timeout(600)
+def test_the_exercise_07_solutions_keep_full_marks(solution):
+    sol = solution("07_no_sync.ipynb")
+    _assert_all_passed(check("no_sync", sol.HookedDDP, quiet=True))
+    _assert_all_passed(check("token_weighted", sol.accumulation_step, quiet=True))
+
+
+# -- 08: the file when save_checkpoint returns -------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("save, seen", [
+    ("save_without_barrier_slow_peers", "rank 1: save_checkpoint returned while"),
+    ("save_rewritten_after_barrier", "rank 1: save_checkpoint returned while the path held")])
+def test_a_rank_that_returns_before_the_last_write_ends_fails_rank_0_writes(save, seen):
+    """Rank 1 returns without waiting for the end of rank 0's last torch.save: it sees half a
+    file (or the earlier one), whatever the timing, and everything else is right."""
+    result = check("checkpoint_resume", getattr(bugs, save),
+                   load_checkpoint=bugs.load_checkpoint, quiet=True)
+    _failed_with(result, "rank_0_writes", seen,
+                 "Rank 1 returned from save_checkpoint while rank 0 was still writing")
+    own = {c.name for c in result.criteria} - {"no_delegation", "no_deadlock"}
+    assert set(result.failed()) & own == {"rank_0_writes"}
+
+
+@pytest.mark.timeout(300)
+def test_the_exercise_08_solution_keeps_full_marks(solution):
+    sol = solution("08_real_training_run.ipynb")
+    _assert_all_passed(check("checkpoint_resume", sol.save_checkpoint,
+                             load_checkpoint=sol.load_checkpoint, quiet=True))
