@@ -16,7 +16,7 @@ NOT_A_GRADIENT = "no parameter's .grad"
 
 
 def grad_owner(tensor, params) -> int | None:
-    """Index of the parameter whose ``.grad`` is ``tensor`` (same memory, every element), or None."""
+    """Index of the parameter whose ``.grad`` is ``tensor`` (its memory, all of it), or None."""
     if tensor is None or not tensor.numel():
         return None
     for i, p in enumerate(params):
@@ -45,6 +45,7 @@ class GradReductions:
     def __init__(self, link, params, note=lambda owner: owner, case: str = ""):
         self.link, self.params, self.note = link, params, note
         self.case, self.by_case = case, {}
+        self.own = None  # a send the link already had as its own attribute, put back on exit
 
     def __enter__(self):
         send, self.own = self.link.send, vars(self.link).get("send")

@@ -295,11 +295,11 @@ class TokenWeighted(d.DDPExercise):
 _SYNC_HINTS = {
     "never": "No backward synchronised the gradients: the wrapper averages only at the end of a "
              "backward whose forward ran outside no_sync() (it decides at forward time), and "
-             "finish_gradient_synchronization() adds nothing.",
+             "its finish_gradient_synchronization adds nothing.",
     "yours": "Your code all-reduced param.grad on top of the wrapper: the wrapper had already "
              "averaged it at the end of the backward whose forward ran outside no_sync().",
     "early": "The backward that synchronised was not the step's last: the wrapper averages what "
              "param.grad holds at the end of that backward, and what the later backwards add "
              "stays this rank's own.",
-    "after_step": "optimizer.step() ran before the all-reduce, on this rank's own gradients.",
+    "after_step": "The optimizer's step ran before the all-reduce, on this rank's own gradients.",
 }

@@ -20,8 +20,8 @@ names the piece that was lost.
 The rank also watches who calls ``torch.save``, and what the file holds at the moment
 ``save_checkpoint`` returns on each rank. Rank 0's ``torch.save`` stops halfway through
 writing (:class:`SaveWindow`) until every other rank has either returned or is waiting for a
-message that only rank 0 can still send: a rank that can return before the file is
-complete therefore does so, on every run, and sees half a file.
+message that only rank 0 can still send (or ``HOLD_LIMIT`` has passed): a rank that can
+return before the file is complete therefore does so, on every run, and sees half a file.
 """
 
 from __future__ import annotations
