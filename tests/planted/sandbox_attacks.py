@@ -228,6 +228,7 @@ class Listeners:
 
     def __init__(self, name: str, folder: str):
         self.sockets, self.reached, self.threads = [], [], []
+        self.closing = False
         self.tcp, self.udp = [], []
         for host in addresses():
             server = socket.create_server((host, 0))
@@ -263,6 +264,8 @@ class Listeners:
                         sock.recvfrom(512)
                 except OSError:  # closed by close()
                     return
+                if self.closing:  # shutdown() wakes a datagram socket with an empty read
+                    return
                 self.reached.append(label)
 
         self.sockets.append(sock)
@@ -294,6 +297,8 @@ class Listeners:
         return got
 
     def close(self) -> None:
+        """Stop listening; ``reached`` keeps what came before."""
+        self.closing = True
         for sock in self.sockets:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
