@@ -81,15 +81,14 @@ class MessageRelay:
         self.case = [""] * self.ws
 
     def _log(self, rank: int, **event) -> None:
-        event["case"] = self.case[rank]
-        self.out.events[rank].append(event)
+        self.out.events[rank].append(dict(event, case=self.case[rank]))
 
     def _reply(self, rank: int, ident: int, tensor=None) -> None:
         self.socks[rank].sendall(
             wire.encode({"t": "done", "id": ident}, [tensor] if tensor is not None else []))
 
-    def handle(self, rank: int, header: dict, tensors: list) -> None:
-        """Act on one message of ``rank``; a refused operation sets ``out.failure``."""
+    def handle(self, rank: int, header: dict, tensors: list) -> Failure | None:
+        """Act on one message of ``rank``; return ``out.failure`` (set by a refused operation)."""
         kind = header.get("t")
         # Judged by the operation as it arrives: `type(dist).all_reduce` is refused all the same.
         op = str(header.get("op")) if kind == "coll" else kind
@@ -97,8 +96,7 @@ class MessageRelay:
             self.out.failure = Failure(
                 "error", f"torch.distributed.{op} is not available to graded code in this "
                 f"exercise. {self.why}", rank, "AttributeError")
-            return
-        if kind == "send":
+        elif kind == "send":
             dst = int(header["dst"])
             if not 0 <= dst < self.ws or dst == rank or len(tensors) != 1:
                 raise wire.ProtocolError("bad send")
@@ -126,6 +124,7 @@ class MessageRelay:
             self.done[rank] = True
         else:
             raise wire.ProtocolError(f"unknown message {kind!r}")
+        return self.out.failure
 
     def _match(self, rank: int) -> None:
         still = []

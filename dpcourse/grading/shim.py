@@ -80,8 +80,7 @@ class DistModule(types.ModuleType):
         super().__init__("torch.distributed", "The grader's torch.distributed for this exercise.")
         self._link, self._allowed, self._why = link, set(allowed), why
         self.ReduceOp, self.P2POp, self.Work = ReduceOp, P2POp, Work
-        self.group = types.SimpleNamespace(WORLD=None)
-        self.GroupMember = self.group
+        self.group = self.GroupMember = types.SimpleNamespace(WORLD=None)
 
     def __getattr__(self, name):
         # Reached only for names not set on the module: say what exists instead.

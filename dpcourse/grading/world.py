@@ -156,12 +156,8 @@ class World:
                 out.failure = self._died(rank)
                 return out
         relay = MessageRelay(self.socks, out, self.stack, self.allowed, self.why)
-
-        def handle(rank, header, tensors):
-            relay.handle(rank, header, tensors)
-            return out.failure
-        out.failure = self._serve(range(world_size), deadline, handle, lambda: all(relay.done),
-                                  lambda: relay.timeout_failure(timeout))
+        out.failure = self._serve(range(world_size), deadline, relay.handle,
+                                  lambda: all(relay.done), lambda: relay.timeout_failure(timeout))
         return out
 
     def _died(self, rank: int) -> Failure:
