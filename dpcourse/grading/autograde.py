@@ -1,20 +1,13 @@
 """``dpcourse grade``: grade exercise notebooks with the grader, not the notebook, in charge.
 
-For each notebook:
-
-1. Run it in a kernel the grader owns (:mod:`~dpcourse.grading.executor`), in a sandbox
-   (:mod:`~dpcourse.grading.sandbox`) with no network, none of the grader's files and no
-   other submission. At the time limit the kernel and all it started are killed; a dead
-   kernel or a malformed notebook scores zero and grading carries on.
-2. Without the sandbox, put back any file of the course package the notebook changed
-   (:class:`PackageSnapshot`; compiled caches are removed, Python rebuilds them), so an
-   edited grader never grades this notebook or any later one.
-3. Run each check of the notebook's lesson on the definitions from the cells that ran
-   (never the calls), in fresh ranks (:mod:`~dpcourse.grading.runner`) with the grader's
-   world sizes and fresh random cases. Verdicts are reached in this process.
-
-Nothing the notebook writes is read as a result. Without a working sandbox grading is
-refused unless the instructor passes ``--no-sandbox``; every result then says so.
+Each notebook runs in a kernel the grader owns (:mod:`~dpcourse.grading.executor`) inside
+the sandbox (:mod:`~dpcourse.grading.sandbox`), killed with all it started at the time
+limit; a dead kernel or a malformed notebook scores zero and grading carries on. Without
+the sandbox (``--no-sandbox``, said on every result) a file of the course package that the
+notebook changed is put back and the notebook scores zero. Each check then runs on the
+definitions from the cells that ran (never the calls), in fresh ranks with the grader's
+world sizes and cases (:mod:`~dpcourse.grading.runner`); verdicts are reached in this
+process and nothing the notebook writes is read as a result.
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ from dpcourse.grading.submission import extract, from_notebook
 from dpcourse.launch import reaper
 
 NOT_SANDBOXED = "not sandboxed"
-ROOT = os.path.dirname(os.path.abspath(dpcourse.__file__))
 
 
 def _walk(root: str) -> dict[str, bytes]:
@@ -55,11 +47,11 @@ def _walk(root: str) -> dict[str, bytes]:
 
 
 class PackageSnapshot:
-    """The bytes of every file under the package, taken now."""
+    """The bytes of every file under the package (or ``root``), taken now."""
 
-    def __init__(self, root: str = ROOT):
-        self.root = root
-        self.files = _walk(root)
+    def __init__(self, root: str | None = None):
+        self.root = root or os.path.dirname(os.path.abspath(dpcourse.__file__))
+        self.files = _walk(self.root)
 
     def restore(self) -> list[str]:
         """Put back what changed since the snapshot; return the source files that had changed."""

@@ -1,14 +1,10 @@
 """What ``dpcourse grade`` writes: the score table, JSON, gradebook CSVs and feedback notebooks.
 
-- ``--csv``: one row per submission, check and criterion; a check's rows add up to its points.
-- ``--lms-csv``: one row per submission (``Student``, ``ID`` = the submission folder, one
-  column per exercise, ``Total``): the layout Canvas's and Moodle's CSV grade imports read.
-- ``--feedback DIR``: ``DIR/<submission>/<name>.feedback.ipynb`` (the executed notebook
-  after the report) and the same as ``.html``.
-
-A check this machine cannot run (``not_graded`` gives the reason) is never shown as 0
-points: it is left out of every maximum and total (:func:`counted_max`), its cells are
-empty, and the reason is given instead.
+``--lms-csv`` has the layout Canvas's and Moodle's CSV grade imports read (``ID`` is the
+submission folder); ``--feedback DIR`` writes ``DIR/<submission>/<name>.feedback.ipynb``
+(the report, then the executed notebook) and the same as ``.html``. A check this machine
+cannot run is never 0 points: it is left out of every maximum and total
+(:func:`counted_max`), its cells are empty, and the reason is given instead.
 """
 
 from __future__ import annotations
@@ -141,7 +137,7 @@ def _write_csv(path: str, report: dict, header: list, rows: list, sandboxed: str
 
 
 def write_csv(report: dict, path: str) -> None:
-    """One row per submission, check and criterion."""
+    """One row per submission, check and criterion; a check's rows add up to its points."""
     rows = []
     for r in report["results"]:
         if _why(r):
@@ -172,7 +168,8 @@ def write_lms_csv(report: dict, path: str) -> None:
             mine[col] = r["points"]
     rows = [[sub, sub, *[mine.get(c, 0) for c in columns],
              round(sum(v for v in mine.values() if v != ""), 1),
-             *(["; ".join(why.get(sub, []))] if why else [])] for sub, mine in sorted(marks.items())]
+             *(["; ".join(why.get(sub, []))] if why else [])]
+            for sub, mine in sorted(marks.items())]
     _write_csv(path, report, ["Student", "ID", *columns, "Total",
                               *(["Not graded"] if why else [])], rows, "Sandboxed")
 
