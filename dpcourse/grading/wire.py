@@ -12,7 +12,7 @@ import struct
 
 import torch
 
-_FRAME = struct.Struct("!II")  # header length, payload length
+_LENGTHS = struct.Struct("!II")  # header length, payload length
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 28
 
@@ -64,7 +64,7 @@ def encode(header: dict, tensors=()) -> bytes:
         chunks.append(raw)
     head = json.dumps(dict(header, tensors=metas)).encode()
     payload = b"".join(chunks)
-    return _FRAME.pack(len(head), len(payload)) + head + payload
+    return _LENGTHS.pack(len(head), len(payload)) + head + payload
 
 
 def decode(head: bytes, payload: bytes) -> tuple[dict, list[torch.Tensor]]:
@@ -100,15 +100,15 @@ class Reader:
     def feed(self, data: bytes) -> list[tuple[dict, list[torch.Tensor]]]:
         self.buffer += data
         out = []
-        while len(self.buffer) >= _FRAME.size:
-            hlen, plen = _FRAME.unpack_from(self.buffer)
+        while len(self.buffer) >= _LENGTHS.size:
+            hlen, plen = _LENGTHS.unpack_from(self.buffer)
             if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
                 raise ProtocolError(f"message too large ({hlen} + {plen} bytes)")
-            end = _FRAME.size + hlen + plen
+            end = _LENGTHS.size + hlen + plen
             if len(self.buffer) < end:
                 break
-            head = bytes(self.buffer[_FRAME.size:_FRAME.size + hlen])
-            payload = bytes(self.buffer[_FRAME.size + hlen:end])
+            head = bytes(self.buffer[_LENGTHS.size:_LENGTHS.size + hlen])
+            payload = bytes(self.buffer[_LENGTHS.size + hlen:end])
             del self.buffer[:end]
             out.append(decode(head, payload))
         return out
@@ -125,7 +125,7 @@ def recv_blocking(sock) -> tuple[dict, list[torch.Tensor]]:
             data += chunk
         return bytes(data)
 
-    hlen, plen = _FRAME.unpack(exact(_FRAME.size))
+    hlen, plen = _LENGTHS.unpack(exact(_LENGTHS.size))
     return decode(exact(hlen), exact(plen))
 
 

@@ -25,13 +25,14 @@ from dpcourse.launch import reaper
 from dpcourse.launch.env import package_root
 
 
-_KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "CUDA_VISIBLE_DEVICES")
+_RANK_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "CUDA_VISIBLE_DEVICES")
 # The machine's GPU settings (e.g. NVLink multicast switched off) hold for graded GPU ranks too.
-_KEEP_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
+_RANK_ENV_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
 
 
 def _rank_env(tmp: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k in _KEEP_ENV or k.startswith(_KEEP_PREFIXES)}
+    env = {k: v for k, v in os.environ.items()
+           if k in _RANK_ENV or k.startswith(_RANK_ENV_PREFIXES)}
     env.update(PYTHONPATH=package_root(), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1", TMPDIR=tmp, PYTHONUNBUFFERED="1")
     return env
