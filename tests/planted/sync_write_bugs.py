@@ -113,7 +113,7 @@ def save_rewritten_after_barrier(path, model, optimizer, sampler, step):
 
 
 def load_checkpoint(path, model, optimizer, sampler):
-    """A correct load, for the planted saves."""
+    """A correct load, for the planted saves (the check takes both from one module)."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
