@@ -13,7 +13,10 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: course test test-gpu setup demo doctor exercises clean
 
+# The version check stops before the download: on an older Python, torch and this package
+# would fail later and less clearly (pyproject.toml: requires-python).
 $(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(None if sys.version_info >= (3, 10) else "dpcourse needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0] + ": run make with PYTHON=python3.10 (or newer)")'
 	$(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "GPU found: installing $(TORCH_GPU)"; $(PY) -m pip install -q $(TORCH_GPU); \
