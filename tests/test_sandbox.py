@@ -365,3 +365,16 @@ def test_exercise_13_check_stops_a_hang_at_its_round_limit(tmp_path):
     assert f"not finished after {ShardedStep.timeout:g} s" in details, details
     assert "running your code" in details, details
     assert row["seconds"] < ShardedStep.timeout + 90, row["seconds"]  # ranks' start-up included
+
+
+def test_what_the_sandbox_hides_and_the_rank_blocks_exists():
+    """A renamed or merged grader module must not leave a stale name in either list, which
+    would hide nothing while the module under its new name stays readable and importable."""
+    import importlib.util
+
+    from dpcourse.grading import rank
+    from dpcourse.launch.env import package_root
+
+    root = os.path.join(package_root(), "dpcourse")
+    assert [p for p in sandbox.GRADER_ONLY if not os.path.isfile(os.path.join(root, p))] == []
+    assert [m for m in rank.BLOCKED if importlib.util.find_spec(m) is None] == []

@@ -28,7 +28,7 @@ from dpcourse.grading.shim import DistModule
 # Besides these, every check's ``*_verdicts`` module (see ``Exercise.verdicts``).
 BLOCKED = ("dpcourse.grading.oracles", "dpcourse.grading.runner", "dpcourse.grading.world",
            "dpcourse.grading.relay", "dpcourse.grading.autograde", "dpcourse.grading.gradebook",
-           "dpcourse.grading.executor", "dpcourse.grading.integrity")
+           "dpcourse.grading.executor")
 
 
 class _Blocker(importlib.abc.MetaPathFinder):

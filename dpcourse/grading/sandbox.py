@@ -41,7 +41,7 @@ from dpcourse.launch.env import package_root
 # ``*_verdicts.py``), the judging of whole notebooks, and the reports. Left out of the
 # copy the sandbox sees.
 GRADER_ONLY = ("grading/oracles.py", "grading/autograde.py", "grading/gradebook.py",
-               "grading/executor.py", "grading/integrity.py", "grading/make_exercises.py",
+               "grading/executor.py", "grading/make_exercises.py",
                "grading/sandbox.py")
 _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group",
         "/etc/nsswitch.conf", "/etc/localtime", "/etc/alternatives")
