@@ -325,7 +325,7 @@ def test_soak_up_to_100_launches_leave_nothing_behind(monkeypatch, record_proper
 
     import psutil
 
-    import dpcourse.launch.procs
+    import dpcourse.launch.workdir
 
     workdirs, real_mkdtemp = [], tempfile.mkdtemp
 
@@ -333,7 +333,7 @@ def test_soak_up_to_100_launches_leave_nothing_behind(monkeypatch, record_proper
         workdirs.append(real_mkdtemp(*args, **kwargs))
         return workdirs[-1]
 
-    monkeypatch.setattr(dpcourse.launch.procs.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(dpcourse.launch.workdir.tempfile, "mkdtemp", mkdtemp)
     me = psutil.Process()
     dpcourse.run(collectives_then_tensors, 0, world_size=2, backend="gloo")  # warm imports
     fds, threads = me.num_fds(), threading.active_count()
