@@ -115,7 +115,7 @@ def _write_detail(r: int, outputs: list) -> str:
                 "wrote over")
     else:
         held = (f"the path held {seen['size']} of the {final['size']} bytes of rank 0's "
-                "checkpoint, half written")
+                "checkpoint: rank 0 had not finished writing it")
     return f"rank {r}: {_EARLY} {held}"
 
 
