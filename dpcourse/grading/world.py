@@ -4,6 +4,10 @@ The grader holds one end of a socket pair per rank, the ranks' only way to reach
 :class:`~dpcourse.grading.relay.MessageRelay` carries their messages. Under ``dpcourse grade``
 each rank runs in a sandbox of its own (:mod:`dpcourse.grading.sandbox`): no network, a
 scratch folder no other rank sees, and its socket an inherited file descriptor.
+
+The processes themselves are the launcher's (:mod:`dpcourse.launch`): its work directory
+(removed by the next launch or check should this process be killed outright), its rank
+environment, its way to start a rank in a session of its own and to kill and reap a tree.
 """
 
 from __future__ import annotations
@@ -16,25 +20,25 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 from dpcourse.grading import wire
 from dpcourse.grading.relay import Failure, MessageRelay, Round, allowed_ops
 from dpcourse.launch import reaper
-from dpcourse.launch.env import package_root
+from dpcourse.launch.env import worker_env
+from dpcourse.launch.procs import start_rank
+from dpcourse.launch.workdir import clean_stale_workdirs, make_workdir
 
-
-_RANK_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "CUDA_VISIBLE_DEVICES")
-# The machine's GPU settings (e.g. NVLink multicast switched off) hold for graded GPU ranks too.
-_RANK_ENV_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
+# Of the grader's environment, a rank gets only these. The machine's GPU settings (e.g.
+# NVLink multicast switched off) hold for graded GPU ranks too.
+_RANK_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "CUDA_VISIBLE_DEVICES",
+             "NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
 
 
 def _rank_env(tmp: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k in _RANK_ENV or k.startswith(_RANK_ENV_PREFIXES)}
-    env.update(PYTHONPATH=package_root(), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", TMPDIR=tmp, PYTHONUNBUFFERED="1")
+    env = worker_env(keep=_RANK_ENV)
+    env.update(PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               TMPDIR=tmp)
     return env
 
 
@@ -50,7 +54,7 @@ class World:
     Args:
         size: how many rank processes (the largest world size of the check).
         setup: the message each rank gets first (check name, source cells, names).
-        label: used in temp-dir names.
+        label: used in the work directory's name.
         sandbox: the :class:`~dpcourse.grading.sandbox.Sandbox` each rank starts in (with a
             scratch folder of its own), or ``None`` (the learner's own ``check()``).
         shared_folder: also give every rank one folder in common, ``self.shared``.
@@ -61,7 +65,8 @@ class World:
     def __init__(self, size: int, setup: dict, label: str = "check", sandbox=None,
                  shared_folder: bool = False, dist_api=(), dist_why: str = ""):
         self.allowed, self.why = allowed_ops(dist_api), dist_why
-        self.tmp = tempfile.mkdtemp(prefix=f"dpcourse-{label}-")
+        clean_stale_workdirs()
+        self.tmp = make_workdir(label)
         self.procs, self.socks, self.readers, self.logs = [], [], [], []
         self.sandboxed = sandbox is not None
         # The one folder every rank sees, where the check asks for a shared disk.
@@ -84,9 +89,8 @@ class World:
             argv = sandbox.command(argv, scratch, {k: v for k, v in env.items()
                                                    if k not in ("PYTHONPATH", "TMPDIR")},
                                    shared=(self.shared,) if self.shared else ())
-        proc = subprocess.Popen(
-            argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT, env=env, cwd=scratch, start_new_session=True)
+        proc = start_rank(argv, env, scratch, pass_fds=(theirs.fileno(),),
+                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         theirs.close()
         log.close()
         mine.settimeout(10.0)

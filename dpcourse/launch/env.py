@@ -20,15 +20,24 @@ def package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def worker_env(hide_gpus: bool = False) -> dict:
+def worker_env(hide_gpus: bool = False, keep=None) -> dict:
     """Return the environment a rank starts with: ours, this package importable, gloo on loopback.
 
     Args:
         hide_gpus: make every GPU invisible to the rank (``CUDA_VISIBLE_DEVICES`` empty).
             CUDA reads the variable once, when the rank's torch first initialises it,
             which is after the process starts with this environment.
+        keep: ``None`` (default): every variable of ours. Else only the variables named
+            here; a name ending in ``_`` keeps every variable it begins (``"NCCL_"``). The
+            grader's ranks start so, with nothing of the grader's environment they do not need.
     """
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if keep is None:
+        env = dict(os.environ)
+    else:
+        names = tuple(keep)
+        prefixes = tuple(k for k in names if k.endswith("_"))
+        env = {k: v for k, v in os.environ.items() if k in names or k.startswith(prefixes)}
+    env["PYTHONUNBUFFERED"] = "1"
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH")) if p)

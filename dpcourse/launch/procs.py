@@ -28,6 +28,23 @@ SHUTDOWN_GRACE = 30.0
 STARTUP_TIMEOUT = 120.0
 
 
+def start_rank(argv: list[str], env: dict, cwd: str, **popen) -> subprocess.Popen:
+    """Start one rank process, ``argv``, in a session of its own; return its ``Popen``.
+
+    Own session: a terminal Ctrl-C or Jupyter's interrupt (sent to our process group)
+    reaches only us, and we stop the ranks ourselves; killing the rank's process group
+    (:func:`dpcourse.launch.guard.stop_groups`, :func:`dpcourse.launch.reaper.kill_tree`)
+    then also takes any process the rank started.
+
+    Args:
+        argv: the command (the grader puts its sandbox in front of the rank's own).
+        env, cwd: the rank's environment (:func:`dpcourse.launch.env.worker_env`) and folder.
+        **popen: further ``subprocess.Popen`` arguments: the rank's stdin, stdout, stderr,
+            ``pass_fds``.
+    """
+    return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, **popen)
+
+
 class Launch:
     """One launch: processes, output relay, result collection, cleanup."""
 
@@ -55,16 +72,10 @@ class Launch:
             [sys.executable, "-I", "-S", guard.__file__, self.workdir],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
         for rank in range(self.world_size):
-            proc = subprocess.Popen(
+            proc = start_rank(
                 [sys.executable, "-m", "dpcourse.launch.worker", self.workdir, str(rank),
-                 str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=env, cwd=os.getcwd(),
-                # Own session: a terminal Ctrl-C or Jupyter's interrupt (sent to our
-                # process group) reaches only us, and we stop the ranks ourselves;
-                # killpg then also takes any process a rank started.
-                start_new_session=True,
-            )
+                 str(os.getpid())], env, os.getcwd(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             self.procs.append(proc)
             self.relay.attach(rank, proc.stdout, proc.stderr)
             self._tell_guard(f"{proc.pid}\n")

@@ -31,17 +31,21 @@ def _temp_dirs() -> list[str]:
     return list(dict.fromkeys([tempfile.gettempdir(), SHORT_TEMP_DIR]))
 
 
-def make_workdir() -> str:
+def make_workdir(label: str = "") -> str:
     """Create a launch's work directory; return its path.
 
     It goes in the temporary directory (``TMPDIR``) unless the socket paths inside it
     would be too long for an AF_UNIX address: a DataLoader worker then cannot hand
     over its batch, and the rank waits for it forever. Then it goes in /tmp.
 
+    Args:
+        label: a word put in the name after the launching process's pid (the grader
+            names the check), so that :func:`clean_stale_workdirs` still recognises it.
+
     Raises:
         RuntimeError: neither directory gives socket paths that fit; says what to set.
     """
-    prefix = f"{WORKDIR_PREFIX}{os.getpid()}-"
+    prefix = f"{WORKDIR_PREFIX}{os.getpid()}-" + (f"{label}-" if label else "")
     for tmp in _temp_dirs():
         # mkdtemp adds 8 random characters to the prefix.
         if len(os.path.join(os.path.abspath(tmp), prefix)) + 8 + SOCKET_SUFFIX <= SOCKET_PATH_MAX \
