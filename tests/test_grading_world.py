@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import psutil
 import pytest
@@ -99,3 +100,38 @@ def test_world_has_no_spawner_of_its_own():
     """World starts its ranks with the launcher's start_rank (the trust tests patch that path)."""
     assert world_mod.start_rank.__module__ == "dpcourse.launch.procs"
     assert not hasattr(world_mod, "tempfile")
+
+
+HANGING_GRADER = '''
+import sys, time
+from dpcourse.grading.world import World
+setup = {"check": "mean_gradient", "cells": [("<cell 0>", "import time\\nwhile True:\\n"
+         "    time.sleep(0.05)\\n")], "names": {"main": "x"}, "pickled": None}
+world = World(1, setup, label="k")
+print(world.procs[0].pid, world.tmp, flush=True)
+time.sleep(600)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_grader_leaves_no_rank_and_no_work_directory(short_tmp):
+    """A rank stuck in the learner's top-level code never reads its socket again: without the
+    launcher's guard it would outlive a grader killed outright (SIGKILL)."""
+    env = dict(os.environ, TMPDIR=str(short_tmp), PYTHONPATH=package_root())
+    grader = subprocess.Popen([sys.executable, "-c", HANGING_GRADER], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid_text, folder = grader.stdout.readline().split()
+        rank = psutil.Process(int(pid_text))
+        assert rank.is_running()
+    finally:
+        grader.kill()
+        grader.wait()
+        grader.stdout.close()
+    gone, alive = psutil.wait_procs([rank], timeout=60)
+    assert not alive, alive
+    for _ in range(100):  # the guard removes the folder once the ranks' groups are gone
+        if not os.path.exists(folder):
+            break
+        time.sleep(0.1)
+    assert not os.path.exists(folder)

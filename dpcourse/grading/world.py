@@ -26,7 +26,7 @@ from dpcourse.grading import wire
 from dpcourse.grading.relay import Failure, MessageRelay, Round, allowed_ops
 from dpcourse.launch import reaper
 from dpcourse.launch.env import worker_env
-from dpcourse.launch.procs import start_rank
+from dpcourse.launch.procs import Guard, start_rank
 from dpcourse.launch.workdir import clean_stale_workdirs, make_workdir
 
 # Of the grader's environment, a rank gets only these. The machine's GPU settings (e.g.
@@ -71,10 +71,16 @@ class World:
         self.sandboxed = sandbox is not None
         # The one folder every rank sees, where the check asks for a shared disk.
         self.shared = os.path.join(self.tmp, "shared") if shared_folder else None
-        if self.shared:
-            os.makedirs(self.shared)
-        for rank in range(size):
-            self._start(rank, setup, sandbox)
+        self.guard: Guard | None = None
+        try:
+            self.guard = Guard(self.tmp)  # stops the ranks should this process be killed
+            if self.shared:
+                os.makedirs(self.shared)
+            for rank in range(size):
+                self._start(rank, setup, sandbox)
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self, rank: int, setup: dict, sandbox) -> None:
         mine, theirs = socket.socketpair()
@@ -89,15 +95,18 @@ class World:
             argv = sandbox.command(argv, scratch, {k: v for k, v in env.items()
                                                    if k not in ("PYTHONPATH", "TMPDIR")},
                                    shared=(self.shared,) if self.shared else ())
-        proc = start_rank(argv, env, scratch, pass_fds=(theirs.fileno(),),
-                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        theirs.close()
-        log.close()
-        mine.settimeout(10.0)
-        mine.sendall(wire.encode(dict(setup, t="setup", rank=rank)))
-        self.procs.append(proc)
         self.socks.append(mine)
         self.readers.append(wire.Reader())
+        try:
+            self.procs.append(start_rank(argv, env, scratch, pass_fds=(theirs.fileno(),),
+                                         stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT))
+        finally:
+            theirs.close()
+            log.close()
+        self.guard.watch(self.procs[rank].pid)
+        mine.settimeout(10.0)
+        mine.sendall(wire.encode(dict(setup, t="setup", rank=rank)))
 
     def _serve(self, ranks, deadline: float, handle, finished, on_timeout) -> Failure | None:
         """Hand each message from ``ranks`` to ``handle(rank, header, tensors)``; return the first
@@ -198,13 +207,16 @@ class World:
             return f.read().decode("utf-8", "replace")
 
     def close(self) -> None:
-        """Stop every rank (and anything they started) and remove the temp dir."""
+        """Stop every rank (and anything they started), then the guard, and remove the work
+        directory."""
         for sock in self.socks:
             sock.close()
         reaper.kill_tree([p.pid for p in self.procs])
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
+        if self.guard is not None:
+            self.guard.done()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self):

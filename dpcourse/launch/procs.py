@@ -45,6 +45,37 @@ def start_rank(argv: list[str], env: dict, cwd: str, **popen) -> subprocess.Pope
     return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, **popen)
 
 
+class Guard:
+    """The launching side of a guard process (:mod:`dpcourse.launch.guard`) for ``workdir``.
+
+    Started before the ranks and outside their groups, so it outlives us: told each
+    rank's pid (:meth:`watch`), it stops their groups and removes ``workdir`` should we be
+    killed before :meth:`done`.
+    """
+
+    def __init__(self, workdir: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", guard.__file__, workdir],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def _tell(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line.encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # the guard is gone (or told): the caller stops the ranks
+            pass
+
+    def watch(self, pid: int) -> None:
+        """Have the guard stop ``pid``'s process group should we die first."""
+        self._tell(f"{pid}\n")
+
+    def done(self) -> None:
+        """We stopped the ranks ourselves: let the guard exit quietly, and collect it."""
+        self._tell("done\n")
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
 class Launch:
     """One launch: processes, output relay, result collection, cleanup."""
 
@@ -54,7 +85,7 @@ class Launch:
         clean_stale_workdirs()
         self.workdir = make_workdir()
         self.procs: list[subprocess.Popen] = []
-        self.guard: subprocess.Popen | None = None
+        self.guard: Guard | None = None
         self.results: dict[int, dict] = {}
         self.relay = OutputRelay(prefix_output)
         self.stopped = False
@@ -66,11 +97,7 @@ class Launch:
         with open(os.path.join(self.workdir, "payload.pkl"), "wb") as f:
             pickle.dump(self.spec, f)
         env = worker_env(hide_gpus=self.spec.hide_gpus)
-        # Started first and outside the ranks' groups, so it outlives us: it stops
-        # them and what they started should we be killed (see dpcourse.launch.guard).
-        self.guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", guard.__file__, self.workdir],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+        self.guard = Guard(self.workdir)
         for rank in range(self.world_size):
             proc = start_rank(
                 [sys.executable, "-m", "dpcourse.launch.worker", self.workdir, str(rank),
@@ -78,14 +105,7 @@ class Launch:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             self.procs.append(proc)
             self.relay.attach(rank, proc.stdout, proc.stderr)
-            self._tell_guard(f"{proc.pid}\n")
-
-    def _tell_guard(self, line: str) -> None:
-        try:
-            self.guard.stdin.write(line.encode())
-            self.guard.stdin.flush()
-        except (OSError, ValueError):  # the guard is gone (or told): stop() stops the ranks
-            pass
+            self.guard.watch(proc.pid)
 
     def _load_result(self, rank: int) -> dict | None:
         if rank not in self.results and os.path.exists(self.path(rank, "result")):
@@ -216,9 +236,7 @@ class Launch:
                 except OSError:  # broken pipe: the rank is gone anyway
                     pass
         if self.guard is not None:
-            self._tell_guard("done\n")
-            self.guard.stdin.close()
-            self.guard.wait()
+            self.guard.done()
         self.relay.close()
         self.relay.show()  # what the ranks printed before they stopped
         shutil.rmtree(self.workdir, ignore_errors=True)
