@@ -81,3 +81,48 @@ def test_the_exercise_08_solution_keeps_full_marks(solution):
     sol = solution("08_real_training_run.ipynb")
     _assert_all_passed(check("checkpoint_resume", sol.save_checkpoint,
                              load_checkpoint=sol.load_checkpoint, quiet=True))
+
+
+@pytest.mark.timeout(300)
+def test_a_save_imported_from_torch_before_the_watch_scores_what_the_solution_scores():
+    """``from torch import save`` binds torch.save before the check starts watching: the watch
+    still sees rank 0 write, stops it halfway, and the honest save keeps full marks."""
+    result = check("checkpoint_resume", bugs.save_with_save_imported_from_torch,
+                   load_checkpoint=bugs.load_checkpoint, quiet=True)
+    _assert_all_passed(result)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "imported save", "torch.serialization.save",
+                                 "legacy format"])
+def test_the_save_watch_stops_every_way_of_reaching_torch_save_halfway(tmp_path, how):
+    """Asked of torch itself, in one process: every name for torch.save, and its legacy
+    format, opens the file through the openers the watch replaces; the file is half written
+    while the watch holds, whole after, and reads back as what was saved."""
+    import io
+
+    import torch
+    from torch import save  # bound before the watch begins, as a notebook's import is
+
+    from dpcourse.grading.checks.checkpoint_watch import WatchedSaves, file_state
+
+    path, state = str(tmp_path / "ckpt.pt"), {"w": torch.arange(1000.0), "step": 3}
+    seen = []
+    saving = {"torch.save": lambda: torch.save(state, path),
+              "imported save": lambda: save(state, path),
+              "torch.serialization.save": lambda: torch.serialization.save(state, path),
+              "legacy format": lambda: torch.save(state, path,
+                                                  _use_new_zipfile_serialization=False)}[how]
+    with WatchedSaves(hold=lambda: seen.append(file_state(path)) or []) as watch:
+        saving()
+        torch.save(state, io.BytesIO())  # counted, not held: no file to stop
+    whole = file_state(path)
+    assert len(watch.calls) == 2 and watch.calls[0] == path and [w["file"] for w in
+                                                                  watch.writes] == [path]
+    assert len(seen) == 1 and seen[0]["size"] == whole["size"] // 2 > 0
+    assert watch.writes[0]["size"] == whole["size"] and watch.writes[0]["digest"] == \
+        whole["digest"]
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    # the watch is gone: torch.save writes straight through again
+    saving()
+    assert file_state(path)["digest"] and len(watch.calls) == 2

@@ -1,7 +1,8 @@
 """When gradients are synchronised (exercise 07) and when a checkpoint is complete (exercise 08).
 
 Each mistake leaves the totals right, so a criterion that only counts elements, or looks
-for the file at one moment, lets it through.
+for the file at one moment, lets it through. One honest save is here too: it reaches torch.save
+under a name imported before the check starts watching.
 """
 
 import contextlib
@@ -9,7 +10,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import nn, save
 
 
 class HookedDDPReducesACopy(nn.Module):
@@ -110,6 +111,14 @@ def save_rewritten_after_barrier(path, model, optimizer, sampler, step):
     dist.barrier()
     if dist.get_rank() == 0:
         torch.save(state, path)  # BUG: the other ranks have returned; the file is being rewritten
+
+
+def save_with_save_imported_from_torch(path, model, optimizer, sampler, step):
+    """Honest: the solution's save, through ``save`` bound when this module was imported."""
+    state = _state(model, optimizer, sampler, step)
+    if dist.get_rank() == 0:
+        save(state, path)
+    dist.barrier()
 
 
 def load_checkpoint(path, model, optimizer, sampler):

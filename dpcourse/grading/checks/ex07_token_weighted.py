@@ -6,7 +6,8 @@ at the end of every backward run outside ``no_sync()``, deciding at forward
 time), micro-batches whose numbers of rows (tokens) differ within a rank and
 between ranks, and ``loss_fn`` returning the mean over a micro-batch's rows. The
 step must equal one process taking one SGD step on the concatenated global
-batch, which the grader computes.
+batch, which the grader computes
+(:mod:`~dpcourse.grading.checks.token_weighted_verdicts`, which ranks cannot import).
 
 Each criterion watches a cause, not only the end result:
 
@@ -22,16 +23,15 @@ Each criterion watches a cause, not only the end result:
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict, begin, follow_causes
-from dpcourse.grading.checks.ex07_no_sync import GradReductions, count_detail
-from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
+from dpcourse.grading.checks.base import begin
+from dpcourse.grading.checks.grad_reductions import GradReductions
+from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, DistModule
 
 CASES = ("equal micro-batches", "uneven micro-batches", "uneven ranks")
@@ -129,6 +129,7 @@ class TokenWeighted(d.DDPExercise):
     )
     notes = (f"tolerances (rtol, atol) vs one process, float32: "
              f"{tolerance('gloo', torch.float32, 'vs_single')}; fresh random data on each run",)
+    verdicts = "dpcourse.grading.checks.token_weighted_verdicts"
 
     def make_inputs(self, rng, world_size):
         seed, per_rank = rng.getrandbits(31), [{"cases": []} for _ in range(world_size)]
@@ -196,110 +197,3 @@ class TokenWeighted(d.DDPExercise):
                               "params": [p.detach().clone() for p in params]})
             out.append(steps)
         return out
-
-    def judge(self, ws, inputs, outputs, events):
-        recs = []
-        tol = tolerance("gloo", torch.float32, "vs_single")
-        names = [n for n, _ in d.make_model(0).named_parameters()]
-        causes = {}
-        for k, case in enumerate(CASES):
-            single = d.make_model(inputs[0]["seed"])
-            opt = torch.optim.SGD(single.parameters(), lr=d.LR)
-            for s in range(d.STEPS):
-                rows = [mb for r in range(ws) for mb in inputs[r]["cases"][k]["steps"][s]]
-                opt.zero_grad()
-                nn.functional.mse_loss(single(torch.cat([x for x, _ in rows])),
-                                       torch.cat([y for _, y in rows])).backward()
-                grads = [p.grad.detach().clone() for p in single.parameters()]
-                opt.step()
-                params = [p.detach().clone() for p in single.parameters()]
-                total = sum(len(y) for _, y in rows)
-                for r in range(ws):
-                    got, label = outputs[r][k][s], f"{case}, step {s}, rank {r}"
-                    recs.append(self._zeroing(got, label))
-                    recs += self._weights(got["weights"], case_sizes(case, r), ws, total, label)
-                    rec, causes[label] = self._syncs(names, got, label)
-                    recs.append(rec)
-                    if got["at_step"] is None:
-                        recs.append(CaseVerdict("matches_single_process", False,
-                                           "optimizer.step() was not called", label))
-                        continue
-                    bad = [(n, "no gradient" if a is None else mismatch(a, b, *tol))
-                           for n, a, b in zip(names, got["at_step"][0], grads)]
-                    bad += [(n, mismatch(a, b, *tol)) for n, a, b in zip(names, got["params"],
-                                                                         params)]
-                    bad = [x for x in bad if x[1]]
-                    recs.append(CaseVerdict("matches_single_process", not bad,
-                                       f"{bad[0][0]}: {bad[0][1]}" if bad else "", label))
-        follow_causes(self, recs, lambda rec: _SYNC_HINTS.get(causes.get(rec.case), "")
-                      if rec.criterion == "syncs_once_per_step" else "")
-        return recs
-
-    @staticmethod
-    def _syncs(names, got, label) -> tuple[CaseVerdict, str]:
-        """The record of syncs_once_per_step for one step of one rank, and its cause."""
-        grads = [x for x in got["reduced"] if x["param"] is not None]
-        n = len(got["fresh"])
-        detail, cause = count_detail(names, [x["param"] for x in grads])
-        if cause == "often" and any(not x["wrapper"] for x in grads):
-            cause = "yours"
-            detail += (f"; {sum(not x['wrapper'] for x in grads)} of them issued by your code, "
-                       f"{sum(x['wrapper'] for x in grads)} by the wrapper")
-        elif cause == "often":
-            ends = sorted({x["backward"] for x in grads})
-            detail += (f"; the wrapper synchronised at the end of backward call(s) "
-                       f"{', '.join(map(str, ends))} of {n}")
-        elif not detail and any(x["stepped"] for x in grads):
-            cause, detail = "after_step", "the gradients were all-reduced after optimizer.step()"
-        elif not detail and any(x["backward"] < n for x in grads):
-            first = min(x["backward"] for x in grads)
-            cause, detail = "early", (f"the gradients were all-reduced once, during backward "
-                                      f"call {first} of the step's {n}: the later ones added "
-                                      "their gradients after it")
-        return CaseVerdict("syncs_once_per_step", not detail, detail, label), cause
-
-    @staticmethod
-    def _zeroing(got, label) -> CaseVerdict:
-        fresh, detail = got["fresh"], ""
-        if fresh and not fresh[0]:
-            detail = "the first backward of the step started with the previous step's gradients"
-        elif any(fresh[1:]):
-            detail = ("a later micro-batch's backward started from empty gradients: the earlier "
-                      "micro-batches' gradients were erased")
-        elif got["at_step"] is not None and got["at_step"][1]:
-            detail = "the gradients were empty at optimizer.step()"
-        return CaseVerdict("zero_grad_once_per_step", not detail, detail, label)
-
-    @staticmethod
-    def _weights(got, sizes, ws, total, label) -> list:
-        if len(got) < len(sizes) or any(w is None for w in got[:len(sizes)]):
-            detail = (f"{sum(w is not None for w in got)} losses from loss_fn reached a backward, "
-                      f"for {len(sizes)} micro-batches")
-            return [CaseVerdict(c, False, detail, label)
-                    for c in ("weights_within_rank", "weights_across_ranks")]
-        got = got[:len(sizes)]
-        share = sum(got)
-        rel = [w / share if share else math.nan for w in got]
-        want_rel = [n / sum(sizes) for n in sizes]
-        want_sum = ws * sum(sizes) / total
-        return [CaseVerdict("weights_within_rank",
-                       all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(rel, want_rel)),
-                       f"micro-batches of {sizes} rows: relative weights "
-                       f"{[round(w, 4) for w in rel]}, expected {[round(w, 4) for w in want_rel]}",
-                       label),
-                CaseVerdict("weights_across_ranks", math.isclose(share, want_sum, rel_tol=1e-5),
-                       f"{sum(sizes)} of {total} rows: its loss weights add up to {share:.4g}, "
-                       f"expected {want_sum:.4g}", label)]
-
-
-_SYNC_HINTS = {
-    "never": "No backward synchronised the gradients: the wrapper averages only at the end of a "
-             "backward whose forward ran outside no_sync() (it decides at forward time), and "
-             "its finish_gradient_synchronization adds nothing.",
-    "yours": "Your code all-reduced param.grad on top of the wrapper: the wrapper had already "
-             "averaged it at the end of the backward whose forward ran outside no_sync().",
-    "early": "The backward that synchronised was not the step's last: the wrapper averages what "
-             "param.grad holds at the end of that backward, and what the later backwards add "
-             "stays this rank's own.",
-    "after_step": "The optimizer's step ran before the all-reduce, on this rank's own gradients.",
-}

@@ -17,27 +17,23 @@ losses and final parameters with it
 each piece of state is compared with what it was at saving time, so a failure
 names the piece that was lost.
 
-The rank also watches who calls ``torch.save``, and what the file holds at the moment
-``save_checkpoint`` returns on each rank. Rank 0's ``torch.save`` stops halfway through
-writing (:class:`SaveWindow`) until every other rank has either returned or is waiting for a
-message that only rank 0 can still send (or ``HOLD_LIMIT`` has passed): a rank that can
-return before the file is complete therefore does so, on every run, and sees half a file.
+The rank also watches who calls ``torch.save``, under any name, and what the file holds at
+the moment ``save_checkpoint`` returns on each rank. Rank 0's ``torch.save`` stops halfway
+through writing until every other rank has either returned or is waiting for a message that
+only rank 0 can still send (:mod:`~dpcourse.grading.checks.checkpoint_watch`): a rank that
+can return before the file is complete therefore does so, on every run, and sees half a file.
 """
 
 from __future__ import annotations
 
-import collections
-import hashlib
-import io
-import json
 import os
 import tempfile
-import time
 
 import torch
 from torch import nn
 
 from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.checkpoint_watch import SaveWindow, WatchedSaves, file_state
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, P2P, DistModule
 
@@ -46,7 +42,6 @@ N, BATCH, EPOCHS = 40, 4, 3       # 40 examples, 4 per rank and step: 5 steps pe
 STOP = (1, 2)                     # save after 2 steps of epoch 1
 LR = 0.01
 TOL = (1e-6, 1e-7)  # the grader recomputes the run in its own process: float32 rounding only
-HOLD_LIMIT = 20.0   # s: rank 0 writes on after this, should another rank neither return nor wait
 
 
 def make_model(seed: int) -> nn.Module:
@@ -92,103 +87,6 @@ def _train(dist, replica, opt, sampler, x, y, start_step=0, stop=None, losses=No
 def _opt_state(opt) -> list:
     state = opt.state_dict()["state"]
     return [[state[k][n].clone() for n in sorted(state[k])] for k in sorted(state)]
-
-
-def file_state(path: str) -> dict:
-    """``{"exists", "size", "digest"}`` of the file at ``path`` now."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return {"exists": False, "size": 0, "digest": ""}
-    return {"exists": True, "size": len(data), "digest": hashlib.sha256(data).hexdigest()}
-
-
-class SaveWindow:
-    """What each rank does while ``save_checkpoint`` runs, seen through its link and a shared
-    folder: which operations it waits for, and whether it has returned.
-
-    Each rank publishes its state in ``folder`` (``running``, ``waiting`` on its k-th collective
-    or its j-th receive from a rank, or ``returned``); rank 0 counts its own collectives and
-    sends, so it can tell when another rank is waiting for a message it has not sent yet.
-    """
-
-    def __init__(self, link, folder: str):
-        self.link, self.folder, self.rank = link, folder, link.rank
-        self.colls, self.sent, self.recvd = 0, collections.Counter(), collections.Counter()
-        self.waits: dict = {}  # request id -> what a wait for it waits on
-
-    def _file(self, rank: int) -> str:
-        return os.path.join(self.folder, f".rank{rank}.state")
-
-    def publish(self, state: dict) -> None:
-        tmp = self._file(self.rank) + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, self._file(self.rank))  # whole or not at all, for the reader
-
-    def state_of(self, rank: int) -> dict:
-        try:
-            with open(self._file(rank)) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {"state": "running"}
-
-    def __enter__(self):
-        send, wait_for = self.link.send, self.link.wait_for
-
-        def watched_send(header, tensors=()):
-            kind = header.get("t")
-            if kind == "coll":
-                self.waits[header["id"]] = ["coll", self.colls]
-                self.colls += 1
-            elif kind == "send":
-                self.sent[(int(header["dst"]), int(header.get("tag", 0)))] += 1
-            elif kind == "recv":
-                key = (int(header["src"]), int(header.get("tag", 0)))
-                self.waits[header["id"]] = ["recv", key[0], key[1], self.recvd[key]]
-                self.recvd[key] += 1
-            return send(header, tensors)
-
-        def watched_wait_for(ident):
-            if ident in self.link.replies:
-                return wait_for(ident)
-            self.publish({"state": "waiting", "on": self.waits.get(ident)})
-            try:
-                return wait_for(ident)
-            finally:
-                self.publish({"state": "running"})
-
-        self.link.send, self.link.wait_for = watched_send, watched_wait_for
-        self.publish({"state": "running"})
-        return self
-
-    def __exit__(self, *exc):
-        del self.link.send, self.link.wait_for
-
-    def returned(self) -> None:
-        self.publish({"state": "returned"})
-
-    def _held_up(self, rank: int) -> bool:
-        """Whether ``rank`` has returned, or waits for what this rank (0) has not sent yet."""
-        state = self.state_of(rank)
-        on = state.get("on")
-        if state["state"] == "returned":
-            return True
-        if state["state"] != "waiting" or not on:
-            return False
-        if on[0] == "coll":  # collectives pair up by number: its k-th needs our k-th
-            return on[1] >= self.colls
-        return on[1] == self.rank and on[3] >= self.sent[(rank, on[2])]
-
-    def hold(self) -> list[int]:
-        """Wait (rank 0, mid-write) until every other rank is held up; return those that
-        had returned."""
-        others = [r for r in range(self.link.world_size) if r != self.rank]
-        deadline = time.monotonic() + HOLD_LIMIT
-        while not all(self._held_up(r) for r in others) and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return [r for r in others if self.state_of(r)["state"] == "returned"]
 
 
 class CheckpointResume(Exercise):
@@ -267,35 +165,14 @@ class CheckpointResume(Exercise):
         losses = _train(dist, replica, opt, sampler, x, y, stop=STOP)
         saved = {"params": [p.detach().clone() for p in replica.module.parameters()],
                  "opt": _opt_state(opt), "rng": torch.get_rng_state(), "epoch": sampler.epoch}
-        calls, writes, original = [], [], torch.save
         begin(link, "save_checkpoint")
         window = SaveWindow(link, inputs["folder"])
-
-        def watched_save(obj, f, *args, **kwargs):
-            calls.append(str(f))
-            if rank != 0 or not isinstance(f, (str, os.PathLike)):
-                return original(obj, f, *args, **kwargs)
-            buffer = io.BytesIO()
-            original(obj, buffer, *args, **kwargs)
-            data = buffer.getvalue()
-            with open(f, "wb") as file:  # half now, the rest once the others are held up
-                file.write(data[:len(data) // 2])
-                file.flush()
-                returned = window.hold()
-                file.write(data[len(data) // 2:])
-            writes.append({"file": str(f), "size": len(data), "returned_meanwhile": returned,
-                           "digest": hashlib.sha256(data).hexdigest()})
-            return None
-
-        torch.save = watched_save
-        try:
-            with window:
-                learner["main"](path, replica, opt, sampler, STOP[1])
-                at_return = file_state(path)
-        finally:
-            torch.save = original
+        # rank 0's files: half now, the rest once the others are held up
+        with window, WatchedSaves(window.hold if rank == 0 else None) as saves:
+            learner["main"](path, replica, opt, sampler, STOP[1])
+            at_return = file_state(path)
         window.returned()
-        out = {"saved_calls": len(calls), "writes": writes, "at_return": at_return,
+        out = {"saved_calls": len(saves.calls), "writes": saves.writes, "at_return": at_return,
                "path": path, "losses": losses}
         load = learner.get("load_checkpoint")
         if load is None:
