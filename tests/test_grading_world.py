@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,6 +89,12 @@ def test_world_ranks_get_the_launch_runtime_and_leave_nothing(short_tmp, monkeyp
             assert env["NCCL_TEST_SETTING"] == "1"  # the machine's GPU settings do hold
             assert env["TMPDIR"] == proc.cwd() == os.path.join(world.tmp, f"rank{rank}")
             assert os.getsid(pid) == pid != os.getsid(0)  # a session of its own
+        # A signal Python has no name for (a real-time one) is still reported, by number.
+        unnamed = signal.SIGRTMIN + 6
+        os.kill(pids[1], unnamed)
+        assert f"rank 1 was killed by signal {int(unnamed)} during" in world._died(1).text
+        os.kill(pids[0], signal.SIGSEGV)
+        assert "rank 0 was killed by signal SIGSEGV during" in world._died(0).text
         folder = world.tmp
     assert not os.path.exists(folder)
     left = {p.pid for p in psutil.Process().children()}

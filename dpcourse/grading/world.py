@@ -26,6 +26,7 @@ from dpcourse.grading import wire
 from dpcourse.grading.relay import Failure, MessageRelay, Round, allowed_ops
 from dpcourse.launch import reaper
 from dpcourse.launch.env import worker_env
+from dpcourse.launch.errors import signal_name
 from dpcourse.launch.procs import Guard, start_rank
 from dpcourse.launch.workdir import clean_stale_workdirs, make_workdir
 
@@ -180,7 +181,7 @@ class World:
         except subprocess.TimeoutExpired:
             code = None
         what = ("closed its connection" if code is None else f"exited with status {code}"
-                if code >= 0 else f"was killed by signal {signal.Signals(-code).name}")
+                if code >= 0 else f"was killed by signal {signal_name(-code).removeprefix('signal ')}")
         with open(self.logs[rank], "rb") as f:
             tail = "\n".join(f.read()[-4000:].decode("utf-8", "replace").strip().splitlines()[-6:])
         return Failure("died", f"rank {rank} {what} during the check."

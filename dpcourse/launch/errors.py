@@ -99,6 +99,15 @@ class RankTimeoutError(TimeoutError):
         super().__init__("\n".join(lines))
 
 
+def signal_name(signum: int) -> str:
+    """``"SIGKILL"`` for 9: the signal's name, or ``"signal N"`` for one Python has no name for
+    (most real-time signals)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 class RankDiedError(RuntimeError):
     """A rank's process ended without reporting a result (a signal or a hard exit).
 
@@ -115,11 +124,7 @@ class RankDiedError(RuntimeError):
         self.returncode = returncode
         self.returned = returned
         if returncode < 0:
-            try:
-                name = signal.Signals(-returncode).name
-            except ValueError:
-                name = f"signal {-returncode}"
-            how = f"was killed by {name} ({-returncode})"
+            how = f"was killed by {signal_name(-returncode)} ({-returncode})"
             if -returncode == signal.SIGKILL:
                 how += "; this is what an out-of-memory kill looks like (check memory per rank)"
         else:
