@@ -126,3 +126,28 @@ def test_the_save_watch_stops_every_way_of_reaching_torch_save_halfway(tmp_path,
     # the watch is gone: torch.save writes straight through again
     saving()
     assert file_state(path)["digest"] and len(watch.calls) == 2
+
+
+@pytest.mark.timeout(300)
+def test_the_solution_notebook_with_save_imported_from_torch_keeps_full_marks():
+    """As the grader loads a notebook: its cells run in each rank with the graded imports, so
+    ``from torch import save`` binds torch.save when the cell runs, before the check watches."""
+    import pathlib
+
+    import nbformat
+
+    from dpcourse.grading.checks import get_spec
+    from dpcourse.grading.runner import run_check
+    from dpcourse.grading.submission import extract, from_notebook
+
+    nb = nbformat.read(pathlib.Path(__file__).parent.parent / "solutions" /
+                       "08_real_training_run.ipynb", as_version=4)
+    sources = [(label, src.replace("import torch.distributed as dist\n",
+                                   "import torch.distributed as dist\nfrom torch import save\n")
+                .replace("torch.save(", "save(")) for label, src in from_notebook(nb)]
+    assert sum("from torch import save" in s for _, s in sources) == 1
+    assert sum(" save({" in s for _, s in sources) == 1 and not any("torch.save(" in s
+                                                                   for _, s in sources)
+    cells, problems = extract(sources)
+    spec = get_spec("checkpoint_resume")
+    _assert_all_passed(run_check(spec, cells, spec.roles, problems=problems))
