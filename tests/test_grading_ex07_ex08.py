@@ -5,6 +5,8 @@ step's last backward; a count of elements let a summed copy, a second reduction 
 on the first micro-batch through. 08: the file each rank finds when save_checkpoint
 returns, with rank 0's torch.save stopped halfway until the other ranks have returned or
 wait for it; a look for the file 0.3 s after a sleep let a rank that returned early through.
+The watch sits where torch.save opens its file, so it sees a ``save`` imported from torch
+before it began, which a replaced ``torch.save`` did not (that honest save failed closed).
 
 Each planted mistake (tests/planted/sync_write_bugs.py) passed the old criterion; here it
 fails it with the hint for its cause, while the solutions keep full marks.
