@@ -100,3 +100,19 @@ def mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) ->
         ratio = f", ratio {float(g.flatten()[i] / w.flatten()[i]):.4g}"
     return (f"max |diff| {float(diff[i]):.3g} at flat index {i} (got {float(g.flatten()[i]):.6g}, "
             f"expected {float(w.flatten()[i]):.6g}{ratio}; rtol={rtol:g}, atol={atol:g})")
+
+
+def first_mismatch(names, got, want, tol, what: str = "") -> str:
+    """``"name<what>: how it differs"`` for the first tensor of ``got`` unlike ``want``, or ``""``.
+
+    Args:
+        names: the tensors' names (parameters, buffers), in the order of ``got`` and ``want``.
+        got, want: tensors (``None`` in ``got``: no gradient).
+        tol: ``(rtol, atol)`` for :func:`mismatch`.
+        what: appended to the name, e.g. ``".grad"``.
+    """
+    for name, a, b in zip(names, got, want):
+        diff = "no gradient" if a is None else mismatch(a, b, *tol)
+        if diff:
+            return f"{name}{what}: {diff}"
+    return ""

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import torch
+
 from dpcourse.grading.criteria import Criterion
 
 
@@ -123,9 +125,24 @@ def begin(link, case: str) -> None:
     link.send({"t": "begin", "case": case})
 
 
+def clone_all(tensors) -> list:
+    """Detached copies of ``tensors``, ``None`` where there is no tensor (a missing gradient)."""
+    return [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in tensors]
+
+
+def returned(value) -> object:
+    """What a rank reports of a learner's return value: a copy of a tensor, else its type's name."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 def events_of(events: list, case: str) -> list:
     """The events a rank produced while running ``case``."""
     return [e for e in events if e.get("case") == case and e["op"] != "begin"]
+
+
+def describe_ops(ops, empty: str = "nothing") -> str:
+    """``"all_reduce of 8 bytes, broadcast of 4 bytes"`` for ``(op, bytes)`` pairs, or ``empty``."""
+    return ", ".join(f"{op} of {n} bytes" for op, n in ops) or empty
 
 
 def follow_causes(spec: Exercise, records: list[CaseVerdict],

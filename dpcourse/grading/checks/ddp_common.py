@@ -15,9 +15,9 @@ import contextlib
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
+from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, clone_all, events_of
 from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
-from dpcourse.grading.criteria import Criterion, mismatch, tolerance
+from dpcourse.grading.criteria import Criterion, first_mismatch, tolerance
 from dpcourse.grading.shim import COLLECTIVES, P2P
 
 IN, HIDDEN, MID, OUT = 8, 16, 12, 4
@@ -125,38 +125,21 @@ def rank_train(link, learner: dict, inputs: dict, model_fn=make_model,
         model = model_fn(inputs["seed"])
         begin(link, f"run {i}: construction")
         wrapped = cls(model, **kwargs)
-        init = [p.detach().clone() for p in model.parameters()]
+        init = clone_all(model.parameters())
         _instrument(link, first_layer(model), wrapped)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         run = {"init": init, "grads": [], "params": []}
         for step, micro in enumerate(inputs["batches"]):
             begin(link, f"run {i}: step {step}")
             train_step(wrapped, optimizer, micro, nn.functional.mse_loss)
-            run["grads"].append([None if p.grad is None else p.grad.detach().clone()
-                                 for p in model.parameters()])
-            run["params"].append([p.detach().clone() for p in model.parameters()])
+            run["grads"].append(clone_all(p.grad for p in model.parameters()))
+            run["params"].append(clone_all(model.parameters()))
         out["runs"].append(run)
     return out
 
 
 def step_events(events: list, run: int, step: int) -> list:
     return events_of(events, f"run {run}: step {step}")
-
-
-def first_mismatch(names, got, want, tol, what: str = "") -> str:
-    """``"name<what>: how it differs"`` for the first tensor of ``got`` unlike ``want``, or ``""``.
-
-    Args:
-        names: the parameters' names, in the order of ``got`` and ``want``.
-        got, want: tensors (``None`` in ``got``: no gradient).
-        tol: ``(rtol, atol)``.
-        what: appended to the name, e.g. ``".grad"``.
-    """
-    for name, a, b in zip(names, got, want):
-        diff = "no gradient" if a is None else mismatch(a, b, *tol)
-        if diff:
-            return f"{name}{what}: {diff}"
-    return ""
 
 
 def judge_training(ws, inputs, outputs, events, run=0, model_fn=make_model,

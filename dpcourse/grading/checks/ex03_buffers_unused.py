@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict, begin
-from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation, tolerance
+from dpcourse.grading.checks.base import CaseVerdict, begin, clone_all
+from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
+from dpcourse.grading.criteria import (Criterion, first_mismatch, mismatch, no_deadlock,
+                                       no_delegation, tolerance)
 
 EXTRA_USED = ((0,), (), None)  # ranks that use ``extra`` in each step: some, none, all
 # Samples per rank and step. Batch norm divides by the batch's standard deviation, and
@@ -68,10 +70,6 @@ def uses_extra(step: int, rank: int) -> bool:
     return used is None or rank in used
 
 
-def _clone(ts) -> list:
-    return [None if t is None else t.detach().clone() for t in ts]
-
-
 def ddp_reference(seed0: int, batches: list, lr: float) -> dict:
     """What torch DDP (``find_unused_parameters=True``, ``broadcast_buffers=True``) leaves.
 
@@ -86,9 +84,9 @@ def ddp_reference(seed0: int, batches: list, lr: float) -> dict:
         and stays None when no rank used it (or it is frozen).
     """
     model = make_model(seed0, 0)
-    init = {"params": _clone(model.parameters()), "buffers": _clone(model.buffers())}
+    init = {"params": clone_all(model.parameters()), "buffers": clone_all(model.buffers())}
     params = list(model.parameters())
-    rank0_buffers = _clone(model.buffers())
+    rank0_buffers = clone_all(model.buffers())
     out = {"init": init, "steps": []}
     for step, per_rank in enumerate(batches):
         grads_per_rank, buffers_per_rank = [], []
@@ -99,8 +97,8 @@ def ddp_reference(seed0: int, batches: list, lr: float) -> dict:
             model.use_extra = uses_extra(step, rank)
             model.zero_grad(set_to_none=True)
             nn.functional.mse_loss(model(x), y).backward()
-            grads_per_rank.append(_clone(p.grad for p in params))
-            buffers_per_rank.append(_clone(model.buffers()))
+            grads_per_rank.append(clone_all(p.grad for p in params))
+            buffers_per_rank.append(clone_all(model.buffers()))
         rank0_buffers = buffers_per_rank[0]
         grads = []
         for i, p in enumerate(params):
@@ -114,7 +112,7 @@ def ddp_reference(seed0: int, batches: list, lr: float) -> dict:
             for p, g in zip(params, grads):
                 if g is not None:
                     p -= lr * g
-        out["steps"].append({"grads": grads, "params": _clone(params),
+        out["steps"].append({"grads": grads, "params": clone_all(params),
                              "buffers": buffers_per_rank})
     return out
 
@@ -164,10 +162,8 @@ class BuffersUnused(d.DDPExercise):
 
     def make_inputs(self, rng, world_size):
         seeds = [rng.getrandbits(31) for _ in range(world_size)]
-        gen = torch.Generator().manual_seed(rng.getrandbits(62))
-        batches = [[(torch.randn(BATCH, d.IN, generator=gen),
-                     torch.randn(BATCH, d.OUT, generator=gen)) for _ in range(world_size)]
-                   for _ in range(len(EXTRA_USED))]
+        gen = torch_generator(rng)
+        batches = [regression_batches(gen, world_size, BATCH, d.IN, d.OUT) for _ in EXTRA_USED]
         return [{"seed": seeds[r], "seed0": seeds[0], "rank": r,
                  "batches": [batches[s][r] for s in range(len(EXTRA_USED))]}
                 for r in range(world_size)]
@@ -178,17 +174,17 @@ class BuffersUnused(d.DDPExercise):
         model = make_model(inputs["seed"], rank)
         begin(link, "construction")
         wrapped = learner["main"](model)
-        out = {"init": {"params": _clone(model.parameters()), "buffers": _clone(model.buffers())},
-               "steps": []}
+        out = {"steps": [], "init": {"params": clone_all(model.parameters()),
+                                     "buffers": clone_all(model.buffers())}}
         optimizer = torch.optim.SGD(model.parameters(), lr=d.LR)
         for step, (x, y) in enumerate(inputs["batches"]):
             model.use_extra = uses_extra(step, rank)
             begin(link, f"step {step}; extra used on rank(s) "
                         f"{list(EXTRA_USED[step]) if EXTRA_USED[step] is not None else 'all'}")
             d.default_step(wrapped, optimizer, [(x, y)], nn.functional.mse_loss)
-            out["steps"].append({"grads": _clone(p.grad for p in model.parameters()),
-                                 "params": _clone(model.parameters()),
-                                 "buffers": _clone(model.buffers())})
+            out["steps"].append({"grads": clone_all(p.grad for p in model.parameters()),
+                                 "params": clone_all(model.parameters()),
+                                 "buffers": clone_all(model.buffers())})
         return out
 
     def judge(self, ws, inputs, outputs, events):
@@ -235,6 +231,5 @@ class BuffersUnused(d.DDPExercise):
 
 
 def _same(crit, names, got, want, tol, case) -> CaseVerdict:
-    bad = [(n, m) for n, a, b in zip(names, got, want) if (m := mismatch(a.double(), b.double(),
-                                                                           *tol))]
-    return CaseVerdict(crit, not bad, f"{bad[0][0]}: {bad[0][1]}" if bad else "", case)
+    bad = first_mismatch(names, got, want, tol)
+    return CaseVerdict(crit, not bad, bad, case)
