@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin
+from dpcourse.grading.checks.base import Exercise, CaseVerdict, begin, returned
 from dpcourse.grading.checks.random_inputs import torch_generator
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
@@ -110,8 +110,7 @@ class UnevenAllGather(Exercise):
             mine = case["tensor"].clone()
             begin(link, case["label"])
             got = gather(mine)
-            out.append({"got": got.detach().clone() if isinstance(got, torch.Tensor)
-                        else type(got).__name__, "after": mine})
+            out.append({"got": returned(got), "after": mine})
         return out
 
     def judge(self, ws, inputs, outputs, events):
