@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.base import Exercise, begin, clone_all
 from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, DistModule
@@ -54,10 +54,6 @@ class _JoinDist(DistModule):
         if work is not None:
             work.result = lambda: (work.wait(), [tensor])[1]
         return work
-
-
-def _clone(ts) -> list:
-    return [None if t is None else t.detach().clone() for t in ts]
 
 
 def train_under_join(link, learner, inputs) -> list:
@@ -111,10 +107,10 @@ def _run_case(link, cls, seed, case) -> dict:
             link.mark("finish")
             wrapped.finish_gradient_synchronization()
             link.mark("finish_end")
-            out["grads"].append(_clone(p.grad for p in trainable))
+            out["grads"].append(clone_all(p.grad for p in trainable))
             optimizer.step()
-        out["last_own"] = _clone(model.parameters())
-    out["params"] = _clone(model.parameters())
+        out["last_own"] = clone_all(model.parameters())
+    out["params"] = clone_all(model.parameters())
     return out
 
 

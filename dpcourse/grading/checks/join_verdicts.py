@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import CaseVerdict, events_of
+from dpcourse.grading.checks.base import CaseVerdict, clone_all, describe_ops, events_of
 from dpcourse.grading.checks.ex10_join import CASES, LR, make_model
-from dpcourse.grading.criteria import mismatch, tolerance
+from dpcourse.grading.criteria import first_mismatch, mismatch, tolerance
 
 
 def join_reference(seed0: int, batches: list, divide_by_initial_world_size: bool) -> dict:
@@ -50,7 +50,7 @@ def join_reference(seed0: int, batches: list, divide_by_initial_world_size: bool
             p.grad = g.clone()
         opt.step()
         out["grads"].append(total)
-    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["params"] = clone_all(model.parameters())
     return out
 
 
@@ -73,10 +73,9 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
             recs.append(_grads(crit, got, ref, other, trainable, counts, r, ws, divide,
                                tol, label))
             recs.append(_agree(got, outputs, k, counts, r, label))
-            bad = [(n, m) for n, a, b in zip(names, got["params"], ref["params"])
-                   if (m := mismatch(a, b, *tol))]
-            recs.append(CaseVerdict("matches_torch_join", not bad, f"rank {r}, {bad[0][0]}: "
-                               f"{bad[0][1]}" if bad else "", label))
+            bad = first_mismatch(names, got["params"], ref["params"], tol)
+            recs.append(CaseVerdict("matches_torch_join", not bad, f"rank {r}, {bad}" if bad
+                                    else "", label))
     return recs
 
 
@@ -117,10 +116,11 @@ def _shadow(mine, counts, r, case, label, events) -> CaseVerdict:
     for i, got in enumerate(shadows):
         want = theirs[counts[r] + i]
         if got != want:
+            none = "no collective"
             return CaseVerdict("shadows_each_step", False, f"rank {r}, step {counts[r] + i}: "
-                          f"main_hook issued {_describe(got)}; rank {longest}, which had "
-                          f"data, issued {_describe(want)} to synchronise its gradients",
-                          label)
+                               f"main_hook issued {describe_ops(got, none)}; rank {longest}, "
+                               f"which had data, issued {describe_ops(want, none)} to "
+                               "synchronise its gradients", label)
     return CaseVerdict("shadows_each_step", True, "", label)
 
 
@@ -130,14 +130,11 @@ def _grads(crit, got, ref, other, trainable, counts, r, ws, divide, tol, label) 
                       f"expected {counts[r]}", label)
     for step, (mine, want, alt) in enumerate(zip(got["grads"], ref["grads"],
                                                 other["grads"])):
-        bad = [(n, "no gradient" if a is None else mismatch(a, b, *tol))
-               for n, a, b in zip(trainable, mine, want)]
-        bad = [x for x in bad if x[1]]
+        bad = first_mismatch(trainable, mine, want, tol, ".grad")
         if not bad:
             continue
         active = sum(c > step for c in counts)
-        detail = f"rank {r}, step {step} ({active} of {ws} ranks with data), " \
-                 f"{bad[0][0]}.grad: {bad[0][1]}"
+        detail = f"rank {r}, step {step} ({active} of {ws} ranks with data), {bad}"
         if all(a is not None and not mismatch(a, b, *tol) for a, b in zip(mine, alt)):
             detail += (f" — this is the sum divided by {active if divide else ws}; with "
                        f"divide_by_initial_world_size={divide} torch divides by "
@@ -163,9 +160,3 @@ def _agree(got, outputs, k, counts, r, label) -> CaseVerdict:
         detail = (f"rank {r} holds parameters that no rank that joined last (rank(s) "
                   f"{', '.join(map(str, last))}) had at the end of training")
     return CaseVerdict("ranks_agree_at_exit", False, detail, label)
-
-
-def _describe(ops: list) -> str:
-    if not ops:
-        return "no collective"
-    return ", ".join(f"{op} of {n} bytes" for op, n in ops)
