@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.base import Exercise, begin, clone_all
 from dpcourse.grading.checks.random_inputs import torch_generator
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
@@ -89,10 +89,9 @@ def run_hook_as_reducer(link, learner, inputs) -> dict:
             bounds = per_bucket + [len(sent)]
             res = [state.get(i) for i in range(len(SIZES))]
             steps.append({
-                "results": [b.detach().clone() for b in buffers],
+                "results": clone_all(buffers),
                 "sent": [sent[bounds[i]:bounds[i + 1]] for i in range(len(SIZES))],
-                "residuals": [r.detach().clone() if isinstance(r, torch.Tensor) else None
-                              for r in res],
+                "residuals": clone_all(res),
                 "residual_types": [type(r).__name__ for r in res]})
     finally:
         link.send = original

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from dpcourse.grading import oracles
-from dpcourse.grading.checks.base import CaseVerdict, events_of
+from dpcourse.grading.checks.base import CaseVerdict, describe_ops, events_of
 from dpcourse.grading.checks.ex11_error_feedback import (DTYPE, PARAMS, SIZES, STEPS, TRACKING,
                                                       bucket_grads, bucket_layout, per_param)
-from dpcourse.grading.criteria import mismatch
+from dpcourse.grading.criteria import first_mismatch, mismatch
 
 
 def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
@@ -29,10 +29,9 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     # First step: torch's hook on the same gradients.
     for i, n in enumerate(SIZES):
         want = oracles.compress_hook([grads[r][0][i] for r in range(ws)], DTYPE)
-        bad = [(r, m) for r in range(ws) if (m := mismatch(steps[r][0]["results"][i], want,
-                                                           0, 0))]
-        recs.append(CaseVerdict("first_step_is_torchs_hook", not bad, f"rank {bad[0][0]}, bucket "
-                           f"of {n}: {bad[0][1]}" if bad else "", label))
+        bad = first_mismatch([f"rank {r}, bucket of {n}" for r in range(ws)],
+                             [steps[r][0]["results"][i] for r in range(ws)], [want] * ws, (0, 0))
+        recs.append(CaseVerdict("first_step_is_torchs_hook", not bad, bad, label))
     for r in range(ws):
         for s in range(STEPS):
             recs.append(_bytes(events[r], s, f"{label}, rank {r}, step {s}"))
@@ -49,12 +48,8 @@ def _bytes(events, s, where) -> CaseVerdict:
     got = sorted((e["op"], e["nbytes"]) for e in events_of(events, f"step {s}")
                  if "nbytes" in e and e["op"] != "barrier")
     want = sorted(("all_reduce", 2 * n) for n in SIZES)
-    return CaseVerdict("sends_bf16", got == want, f"sent {_ops(got)}; expected {_ops(want)} "
-                       "(one bfloat16 all-reduce per bucket)", where)
-
-
-def _ops(ops) -> str:
-    return ", ".join(f"{op} of {n} bytes" for op, n in ops) or "nothing"
+    return CaseVerdict("sends_bf16", got == want, f"sent {describe_ops(got)}; expected "
+                       f"{describe_ops(want)} (one bfloat16 all-reduce per bucket)", where)
 
 
 def cause(spec, ws, rec) -> str:
@@ -93,10 +88,9 @@ def _step(ws, grads, steps, s, i, where) -> list[CaseVerdict]:
         total = sents[0][0].clone()
         for x in sents[1:]:
             total += x[0]
-        bad = [(r, m) for r in range(ws)
-               if (m := mismatch(steps[r][s]["results"][i], total.float(), 0, 0))]
-        recs.append(CaseVerdict("returns_reduced", not bad, f"rank {bad[0][0]}: {bad[0][1]}"
-                           if bad else "", where))
+        bad = first_mismatch([f"rank {r}" for r in range(ws)], [steps[r][s]["results"][i]
+                             for r in range(ws)], [total.float()] * ws, (0, 0))
+        recs.append(CaseVerdict("returns_reduced", not bad, bad, where))
     return recs
 
 
