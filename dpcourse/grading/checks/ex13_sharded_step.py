@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.base import Exercise, begin, clone_all
 from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES, SHARDED, SHARDED_WHY
@@ -138,8 +138,7 @@ class ShardedStep(Exercise):
 
         def at_step(opt, args, kwargs):
             if opt is shard_opt and "grads" not in seen:
-                seen["grads"] = [None if s.grad is None else s.grad.detach().clone()
-                                 for s in shards]
+                seen["grads"] = clone_all(s.grad for s in shards)
             elif opt is not shard_opt:
                 seen["other"] = type(opt).__name__
 
@@ -155,7 +154,7 @@ class ShardedStep(Exercise):
                     learner["main"](params, shard_opt, m == MICRO - 1)
                     kept.append([k for k, p in enumerate(params) if p.grad is not None])
                 out.append({"grads": seen.get("grads"), "other": seen.get("other", ""),
-                            "kept": kept, "params": [p.detach().clone() for p in params]})
+                            "kept": kept, "params": clone_all(params)})
                 model.zero_grad(set_to_none=True)
                 for s in shards:  # what zero_grad does to the shard optimizer's parameters
                     s.grad = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import CaseVerdict, events_of
+from dpcourse.grading.checks.base import CaseVerdict, clone_all, events_of
 from dpcourse.grading.checks.ex13_sharded_step import (FROZEN, FROZEN_HINT, MICRO, STEPS, TOL,
                                                        make_model, make_optimizer, micro_loss)
 from dpcourse.grading.criteria import mismatch
@@ -41,14 +41,13 @@ def single_process(seed: int, batches: list, last_rows: list) -> dict:
     out: dict = {"params": [], "grads": [], "last": []}
     for (x, y), (xl, yl) in zip(batches, last_rows):
         micro_loss(model, xl, yl).backward()  # the last micro-batches' share, ranks averaged
-        out["last"].append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        out["last"].append(clone_all(p.grad for p in model.parameters()))
         model.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
-        out["grads"].append([None if p.grad is None else p.grad.clone()
-                             for p in model.parameters()])
+        out["grads"].append(clone_all(p.grad for p in model.parameters()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out["params"].append([p.detach().clone() for p in model.parameters()])
+        out["params"].append(clone_all(model.parameters()))
     return out
 
 
@@ -103,7 +102,7 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     batches = [(torch.cat([i["batches"][s][0] for i in inputs]),
                 torch.cat([i["batches"][s][1] for i in inputs])) for s in range(STEPS)]
     want = single_process(inputs[0]["seed"], batches, last_rows)
-    start = [p.detach().clone() for p in make_model(inputs[0]["seed"]).parameters()]
+    start = clone_all(make_model(inputs[0]["seed"]).parameters())
     recs: list[CaseVerdict] = []
     # Step by step, every rank: a wrong step 0 on one rank is reported before what it
     # causes in step 1 on all of them.
