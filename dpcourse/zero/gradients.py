@@ -64,6 +64,7 @@ class GradientShards:
         self.mode, self.group = mode, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.rows: list[torch.Tensor | None] = [None] * len(buckets)
+        self._ranges = [shard_range(p.numel(), self.world_size, self.rank) for p in params]
         self._hooks: list = []
         if mode == "sharded":
             self._round = BucketRound([len(b.params) for b in buckets], self._launch_async,
@@ -118,8 +119,7 @@ class GradientShards:
     def point_shard_grads(self) -> None:
         """Give every shard its ``.grad``: this rank's slice of the averaged gradient (a view)."""
         if self.mode == "averaged":
-            for p, s in zip(self.params, self.shards):
-                lo, hi = shard_range(p.numel(), self.world_size, self.rank)
+            for p, s, (lo, hi) in zip(self.params, self.shards, self._ranges):
                 s.grad = None if p.grad is None else p.grad.view(-1)[lo:hi]
             return
         if self.mode == "reduce_scatter":

@@ -50,40 +50,65 @@ class ShardBucket:
     row: int
 
     def new_matrix(self, world_size: int, dtype=None) -> torch.Tensor:
-        """Return a zeroed ``(world_size, row)`` buffer for this bucket (padding stays zero)."""
+        """Return an uninitialised ``(world_size, row)`` buffer (:meth:`pack` writes all of it)."""
         p = self.params[0]
-        return torch.zeros(world_size, self.row, dtype=dtype or p.dtype, device=p.device)
+        return torch.empty(world_size, self.row, dtype=dtype or p.dtype, device=p.device)
 
     @torch.no_grad()
     def pack(self, matrix: torch.Tensor, tensors) -> None:
-        """Write each tensor's ``N`` chunks into column block ``k`` of ``matrix`` (``None``: zeros).
+        """Write each tensor's ``M`` chunks into column block ``k`` of ``matrix``, padding with zeros.
+
+        One ``torch.cat`` writes every element of the bucket, so the step launches
+        a kernel per bucket rather than one per parameter (and the buffer needs
+        no zero-filling first). ``M`` is ``matrix``'s number of rows: the world
+        size for a bucket's full gradients, 1 for this rank's row of shards.
 
         Args:
-            matrix: ``(N, row)`` buffer, zeroed where nothing is written.
-            tensors: one tensor per parameter, shaped like it, or ``None``.
+            matrix: ``(M, row)`` contiguous buffer, overwritten.
+            tensors: per parameter, a tensor of at most ``M * chunks[k]`` elements
+                (a gradient shaped like the parameter, or this rank's 1-D shard), or
+                ``None`` (zeros).
         """
-        for t, c, off in zip(tensors, self.chunks, self.offsets):
-            if t is not None and c:
-                _copy_rows(matrix[:, off:off + c], t.reshape(-1), into_matrix=True)
+        m = matrix.shape[0]
+        blocks = []
+        for t, c in zip(tensors, self.chunks):
+            if not c:
+                continue  # an empty parameter has no chunk
+            if t is None:
+                blocks.append(matrix.new_zeros(m, c))
+                continue
+            flat = t.reshape(-1)
+            if flat.numel() != m * c:  # a short last chunk: pad it (only these tensors copy twice)
+                flat = torch.nn.functional.pad(flat, (0, m * c - flat.numel()))
+            blocks.append(flat.view(m, c))
+        if blocks:
+            torch.cat(blocks, dim=1, out=matrix)
 
     @torch.no_grad()
     def unpack(self, matrix: torch.Tensor) -> None:
-        """Copy every rank's chunks in ``matrix`` back into the parameters, in place."""
-        for p, c, off in zip(self.params, self.chunks, self.offsets):
-            if c:
-                _copy_rows(matrix[:, off:off + c], p.detach().view(-1), into_matrix=False)
+        """Copy every rank's chunks in ``matrix`` back into the parameters, in place.
 
-
-def _copy_rows(block: torch.Tensor, flat: torch.Tensor, into_matrix: bool) -> None:
-    """Copy between ``flat`` (n elements) and the first n elements of ``block`` (N, c) read row by row."""
-    n, c = flat.numel(), block.shape[1]
-    full = n // c  # complete rows; the last chunk may be short (padding) or absent
-    rest = n - full * c
-    pairs = [(block[:full], flat[:full * c].view(full, c))]
-    if rest:
-        pairs.append((block[full, :rest], flat[full * c:]))
-    for b, f in pairs:
-        (b if into_matrix else f).copy_(f if into_matrix else b)
+        One ``torch.split_with_sizes_copy`` (a single kernel on CUDA) writes every
+        parameter whose size divides by the world size straight into its ``(N, c)``
+        view; a parameter with a padded last chunk goes through a scratch block.
+        """
+        n_rows = matrix.shape[0]
+        sizes, outs, padded = [], [], []
+        for p, c in zip(self.params, self.chunks):
+            if not c:
+                continue
+            flat = p.detach().view(-1)
+            if flat.numel() == n_rows * c:
+                outs.append(flat.view(n_rows, c))
+            else:
+                scratch = matrix.new_empty(n_rows, c)
+                outs.append(scratch)
+                padded.append((flat, scratch))
+            sizes.append(c)
+        if sizes:
+            torch.split_with_sizes_copy(matrix, sizes, dim=1, out=outs)
+        for flat, scratch in padded:
+            flat.copy_(scratch.view(-1)[:flat.numel()])
 
 
 def make_shard_buckets(params: list[torch.Tensor], world_size: int,

@@ -174,10 +174,8 @@ class ShardedOptimizer(Optimizer):
     def _gather_params(self) -> None:
         works = []
         for bucket in self.buckets:
-            mine = bucket.new_matrix(1)
-            for i, off in zip(bucket.indices, bucket.offsets):
-                s = self.shards[i]
-                mine[0, off:off + s.numel()].copy_(s)
+            mine = bucket.new_matrix(1)  # this rank's row: its shard of each parameter, padded
+            bucket.pack(mine, [self.shards[i] for i in bucket.indices])
             full = bucket.new_matrix(self.world_size)
             works.append((bucket, full, all_gather(full.view(-1), mine.view(-1),
                                                    group=self.process_group, async_op=True)))
