@@ -19,7 +19,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import Exercise, begin
+from dpcourse.grading.checks.base import Exercise, begin, clone_all
 from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation, tolerance
 from dpcourse.grading.shim import COLLECTIVES, SHARDED, SHARDED_WHY
@@ -169,11 +169,10 @@ def train_watched(link, cls, inputs: dict, run: int) -> dict:
             out["stopped"] = "a shard's .grad holds no memory (a view of a buffer that was freed)"
             out["stopped_criterion"] = "reduce_scatters_gradients"
             break
-        rec["grads"] = [None if f.shard.grad is None else f.shard.grad.detach().clone()
-                        for f in shards]
+        rec["grads"] = clone_all(f.shard.grad for f in shards)
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
-        rec["shards"] = [f.shard.detach().clone() for f in shards]
+        rec["shards"] = clone_all(f.shard for f in shards)
     return out
 
 
