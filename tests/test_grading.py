@@ -517,6 +517,20 @@ def test_scan_refuses_escape_hatches_and_accepts_the_solutions():
                                    spec.allowed_imports) == [], (path, spec.name)
 
 
+def test_scan_refuses_private_names_spelled_as_strings_or_imported_by_name():
+    """`.x` on a module is refused when private; the same name through getattr or import too."""
+    source = ("import torch\nfrom torch.serialization import _open_zipfile_writer\n\n\n"
+              "def ring_all_reduce(tensor, group=None):\n"
+              "    w = getattr(torch.serialization, '_open_zipfile_writer')\n"
+              "    setattr(torch.serialization, '_open_file_like', w)\n"
+              "    return _open_zipfile_writer\n")
+    cells, _ = extract([("<cell 1>", source)])
+    found = policy_findings(cells, ["ring_all_reduce"])
+    assert any("imports the private torch.serialization._open_zipfile_writer" in f
+               for f in found), found
+    assert sum("private or special attribute name" in f for f in found) == 2, found
+
+
 def test_hints_name_causes_without_handing_over_code():
     """A hint says what the failure shows and why; the code and the formula stay the learner's."""
     import re

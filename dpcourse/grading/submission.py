@@ -209,14 +209,18 @@ def _check_node(node, add, roots: set, allowed: dict, forbid_torch_ddp: bool) ->
         module = ("." * node.level) + (node.module or "")
         if node.level or _module_denied(module, [a.name for a in node.names], allowed):
             add(node, f"imports from {module}")
+        for a in node.names:  # a private name imported is a private attribute read
+            if a.name.startswith("_") and not a.name.startswith("__"):
+                add(node, f"imports the private {module}.{a.name}")
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
         fn = node.func.id
         if fn in DENIED_CALLS:
             add(node, f"calls {fn}()")
         elif fn in ("getattr", "setattr", "delattr", "hasattr") and (
                 len(node.args) < 2 or not isinstance(node.args[1], ast.Constant)
-                or str(node.args[1].value).startswith("__")):
-            add(node, f"calls {fn}() with a computed or special attribute name")
+                or str(node.args[1].value).startswith("_")):
+            # "_x" as "__x": a name spelled as a string reaches what `.x` would be refused
+            add(node, f"calls {fn}() with a computed, private or special attribute name")
     elif isinstance(node, ast.Attribute):
         root = node
         while isinstance(root, ast.Attribute):
