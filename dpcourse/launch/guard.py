@@ -11,7 +11,9 @@ orphans. So every launch also starts this module as a small guard process
 (``python -I -S guard.py WORKDIR``, standard library only, outside the ranks' groups):
 the launcher writes each rank's pid on the guard's stdin, and ``done`` once it has
 stopped the launch itself. End of input without ``done`` means the launcher died:
-the guard stops the ranks' groups and removes the launch's work directory.
+the guard stops the ranks' groups and removes the launch's work directory. The grader's
+ranks (:class:`dpcourse.grading.world.World`) are watched by one the same way
+(:class:`dpcourse.launch.procs.Guard`).
 """
 
 from __future__ import annotations
