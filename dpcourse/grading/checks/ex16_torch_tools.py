@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, events_of
+from dpcourse.grading.checks.base import (CaseVerdict, Exercise, begin, describe_ops, events_of,
+                                          returned)
 from dpcourse.grading.checks.random_inputs import torch_generator
 from dpcourse.grading.criteria import Criterion, mismatch, no_deadlock, no_delegation
 from dpcourse.grading.shim import COLLECTIVES
@@ -82,8 +83,7 @@ class ClipSharded(Exercise):
             shards = [s.clone() for s in case["shards"]]
             begin(link, case["label"])
             got = learner["main"](shards, case["max_norm"], case["norm_type"])
-            norm = torch.as_tensor(got).detach().clone() if isinstance(got, (torch.Tensor, float)) \
-                else type(got).__name__
+            norm = returned(torch.as_tensor(got) if isinstance(got, float) else got)
             out.append({"norm": norm, "shards": shards})
         return out
 
@@ -104,11 +104,11 @@ class ClipSharded(Exercise):
                             if (d := mismatch(g, flat_shard([w], ws, r), RTOL, ATOL))), "")
                 recs.append(CaseVerdict("clips_shards" if crit == "total_norm" else crit, not bad,
                                         f"rank {r}'s shards: {bad}", label))
-                sent = [e for e in events_of(events[r], label)
+                sent = [(e["op"], e["nbytes"]) for e in events_of(events[r], label)
                         if "nbytes" in e and e["op"] != "barrier"]
-                one = len(sent) == 1 and sent[0]["op"] == "all_reduce" and sent[0]["nbytes"] <= 8
-                recs.append(CaseVerdict("one_scalar", one, f"rank {r} issued " + (", ".join(
-                    f"{e['op']} of {e['nbytes']} bytes" for e in sent) or "nothing"), label))
+                one = len(sent) == 1 and sent[0][0] == "all_reduce" and sent[0][1] <= 8
+                recs.append(CaseVerdict("one_scalar", one, f"rank {r} issued "
+                                        f"{describe_ops(sent)}", label))
         return recs
 
 
