@@ -180,8 +180,12 @@ class World:
             code = self.procs[rank].wait(timeout=2)
         except subprocess.TimeoutExpired:
             code = None
-        what = ("closed its connection" if code is None else f"exited with status {code}"
-                if code >= 0 else f"was killed by signal {signal_name(-code).removeprefix('signal ')}")
+        if code is None:
+            what = "closed its connection"
+        elif code >= 0:
+            what = f"exited with status {code}"
+        else:  # "signal SIGSEGV", or "signal 34" for one Python has no name for
+            what = f"was killed by signal {signal_name(-code).removeprefix('signal ')}"
         with open(self.logs[rank], "rb") as f:
             tail = "\n".join(f.read()[-4000:].decode("utf-8", "replace").strip().splitlines()[-6:])
         return Failure("died", f"rank {rank} {what} during the check."

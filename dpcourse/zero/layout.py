@@ -56,7 +56,7 @@ class ShardBucket:
 
     @torch.no_grad()
     def pack(self, matrix: torch.Tensor, tensors) -> None:
-        """Write each tensor's ``M`` chunks into column block ``k`` of ``matrix``, padding with zeros.
+        """Write each tensor's ``M`` chunks into column block ``k`` of ``matrix``, zero-padded.
 
         One ``torch.cat`` writes every element of the bucket, so the step launches
         a kernel per bucket rather than one per parameter (and the buffer needs
