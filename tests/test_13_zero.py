@@ -178,36 +178,6 @@ def _accumulation() -> dict:
     return {"diff": max_diff(ours, single_process_run("gpt", make_model("gpt"), "adamw", STEPS))}
 
 
-def _gather_in_forward() -> dict:
-    """The all-gather deferred to the next forward: the same weights as waiting at the step."""
-    out = {}
-    for name, mode, cap in (("gpt", "averaged", 0.004), ("gpt", "sharded", 0.004),
-                            ("tied", "sharded", 25.0), ("frozen_layer", "reduce_scatter", 0.0)):
-        runs = {}
-        for deferred in (False, True):
-            model = make_model(name)
-            wrapped = (DataParallelOverlapped(model, bucket_cap_mb=cap) if mode == "averaged"
-                       else model)
-            cls, kw = OPTIMIZERS["adamw"]
-            opt = ShardedOptimizer(wrapped.parameters(), cls, gradients=mode, bucket_cap_mb=cap,
-                                   gather_in_forward=model if deferred else None, **kw)
-            for step in range(STEPS):
-                local_backward(name, wrapped, step)  # its forward waits for the last gathers
-                opt.step()
-                opt.zero_grad()
-            # Right after the step, before anything waited: are the weights still old?
-            raw = {k: p.detach().clone() for k, p in model.named_parameters()}
-            saved = model.state_dict()  # waits for the gathers (a pre-hook)
-            runs[deferred] = {k: saved[k].clone() for k in raw}
-            runs[f"stale{deferred}"] = any(not torch.equal(raw[k], saved[k]) for k in raw)
-        single = single_process_run(name, make_model(name), "adamw", STEPS)[-1]
-        out[f"{name}/{mode}"] = {
-            "equal": all(torch.equal(runs[False][k], v) for k, v in runs[True].items()),
-            "vs_single": max_diff([runs[True]], [single]),
-            "stale": (runs["staleFalse"], runs["staleTrue"])}
-    return out
-
-
 def _errors() -> dict:
     errors = {}
     params = make_model("mlp").parameters()
@@ -219,9 +189,6 @@ def _errors() -> dict:
         "frozen": lambda: ShardedOptimizer([p.requires_grad_(False) for p in
                                             make_model("mlp").parameters()], torch.optim.SGD,
                                            lr=0.1),
-        "gather_module": lambda: ShardedOptimizer(make_model("mlp").parameters(),
-                                                  torch.optim.SGD, lr=0.1,
-                                                  gather_in_forward=make_model("mlp")),
     }.items():
         try:
             call()
@@ -244,7 +211,6 @@ def zero_checks() -> dict:
     out["groups"] = _groups_and_scheduler()
     out["memory"] = _memory_and_traffic()
     out["accumulation"] = _accumulation()
-    out["gather_in_forward"] = _gather_in_forward()
     out["errors"] = _errors()
     return out
 
@@ -278,16 +244,6 @@ def test_parameter_groups_and_scheduler(results):
 def test_gradient_accumulation_with_sharded_gradients(results):
     for r in results[1]:
         assert r["accumulation"]["diff"] < TOL
-
-
-def test_gather_in_forward_trains_the_same_weights_as_waiting_at_the_step(results):
-    for r in results[1]:
-        for key, g in r["gather_in_forward"].items():
-            assert g["equal"], key  # an all-gather copies: the same bits, whenever it lands
-            assert g["vs_single"] < TOL, (key, g["vs_single"])
-            # The deferral is real: after step() the weights are not yet all new, and
-            # state_dict() waited for them; without it the step leaves nothing pending.
-            assert g["stale"] == (False, True), key
 
 
 def test_state_and_gradients_shrink_as_the_formula_says(results):
@@ -324,7 +280,6 @@ def test_clear_errors(results):
     assert e["mode"].startswith("ValueError") and "sharded" in e["mode"]
     assert e["instance"].startswith("TypeError") and "class" in e["instance"]
     assert e["frozen"].startswith("ValueError") and "trainable" in e["frozen"]
-    assert e["gather_module"].startswith("ValueError") and "gather_in_forward" in e["gather_module"]
 
 
 @pytest.mark.gpu(2)

@@ -6,7 +6,6 @@ Variants (each trains its own GPT, same seed, AdamW):
 * ``zero1``: our :class:`~dpcourse.ddp.DataParallelOverlapped` + :class:`~dpcourse.zero.ShardedOptimizer`
   (``gradients="averaged"``), bf16 autocast.
 * ``zero2``: ShardedOptimizer ``gradients="sharded"`` on the unwrapped GPT, bf16 autocast.
-  Both gather the new parameters during the next forward (``gather_in_forward=model``).
 * ``fsdp``: our :class:`~dpcourse.fsdp.FullyShardedDataParallel`, ``compute_dtype=bf16``.
 * ``torch_fsdp``: torch's ``fully_shard`` on every block and the root, bf16 parameters and
   gradient reduction (the same policy as ``fsdp``).
@@ -41,16 +40,14 @@ def _bytes(tensors) -> int:
 
 
 def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: float = 25.0,
-                  group=None, from_meta: bool = False, gather_in_forward: bool = True):
+                  group=None, from_meta: bool = False):
     """Build one variant; return ``(model, optimizer, autocast_dtype_or_None, params)``.
 
     ``params`` are the tensors whose ``.grad`` holds this rank's gradient after backward.
     ``from_meta`` (``fsdp`` only): build the GPT on the meta device and let FSDP
     materialise it unit by unit, so that no rank ever holds the whole model. Rank 0
     initialises each unit with :meth:`GPT.init_fn` (the same distributions as the
-    constructor, other numbers than ``GPT(cfg, seed=0)``). ``gather_in_forward``
-    (``zero1``, ``zero2``): False waits for the all-gather of the new parameters at
-    the step instead of in the next forward.
+    constructor, other numbers than ``GPT(cfg, seed=0)``).
     """
     from dpcourse.models import GPT
 
@@ -88,9 +85,7 @@ def build_variant(variant: str, cfg, device: torch.device, *, bucket_cap_mb: flo
                    if variant == "zero1" else model)
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, group=group,
                                gradients="averaged" if variant == "zero1" else "sharded",
-                               bucket_cap_mb=bucket_cap_mb,
-                               gather_in_forward=model if gather_in_forward else None,
-                               **adamw_options(device))
+                               bucket_cap_mb=bucket_cap_mb, **adamw_options(device))
         return wrapped, opt, amp, list(model.parameters())
     low = autocast_dtype(device)  # FSDP's compute dtype instead of autocast
     if variant == "fsdp":

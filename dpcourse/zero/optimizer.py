@@ -5,8 +5,7 @@ rank runs the same optimizer step on the same full parameters: N copies of
 identical work and of identical state (AdamW: two fp32 moments, 8 bytes per
 parameter). ZeRO stage 1 (Rajbhandari et al., 2020) lets rank ``r`` keep state
 for and step only its shard of each parameter (:mod:`dpcourse.zero.layout`),
-then all-gathers the updated shards so every rank holds the full new weights
-(at the step, or while the next forward runs: :mod:`dpcourse.zero.gather`).
+then all-gathers the updated shards so every rank holds the full new weights.
 
 Where this rank's averaged gradient shard comes from is the ``gradients=``
 argument: ``"averaged"`` (behind a DDP wrapper), ``"reduce_scatter"`` (ZeRO-1) or
@@ -27,14 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.optim import Optimizer
 
 from dpcourse.comm.sharding import shard_range
 from dpcourse.ddp.buckets import check_bucket_cap
 from dpcourse.ddp.guards import check_same_model
 from dpcourse.zero import checkpoint
-from dpcourse.zero.gather import ParamGather
+from dpcourse.zero.collectives import all_gather
 from dpcourse.zero.gradients import GRADIENT_MODES, GradientShards
 from dpcourse.zero.layout import ShardBucket, make_shard_buckets
 
@@ -66,9 +64,6 @@ class ShardedOptimizer(Optimizer):
         gradients: ``"averaged"``, ``"reduce_scatter"`` or ``"sharded"``
             (:mod:`dpcourse.zero.gradients`).
         bucket_cap_mb: gradient MiB per reduce-scatter / all-gather (0: one per parameter).
-        gather_in_forward: the model (``None``: wait at the step). Given, :meth:`step` only
-            launches the all-gather of the new parameters, and each module waits for its
-            own just before its forward (:mod:`dpcourse.zero.gather`).
         **defaults: the optimizer's hyperparameters (``lr=...``, ``momentum=...``).
 
     Attributes:
@@ -78,13 +73,10 @@ class ShardedOptimizer(Optimizer):
         buckets: the :class:`~dpcourse.zero.layout.ShardBucket` list.
         grad_shards: the :class:`~dpcourse.zero.gradients.GradientShards` that give
             ``shards`` their gradients.
-        param_gather: the :class:`~dpcourse.zero.gather.ParamGather` that brings every
-            rank's new shards into the parameters after the step.
     """
 
     def __init__(self, params, optimizer_cls, *, group=None, gradients: str = "averaged",
-                 bucket_cap_mb: float = 25.0, gather_in_forward: nn.Module | None = None,
-                 **defaults: Any):
+                 bucket_cap_mb: float = 25.0, **defaults: Any):
         _check_setup(optimizer_cls, gradients)
         cap = check_bucket_cap(bucket_cap_mb)
         super().__init__(params, defaults)
@@ -116,7 +108,6 @@ class ShardedOptimizer(Optimizer):
                     outer.setdefault(k, v)
         self.grad_shards = GradientShards(self._params, self.shards, self.buckets, gradients,
                                           group)  # "sharded": its backward hooks from here on
-        self.param_gather = ParamGather(self.buckets, self.shards, group, gather_in_forward)
         self._steps = 0
         self._consolidated: checkpoint.Consolidated | None = None
 
@@ -155,9 +146,6 @@ class ShardedOptimizer(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         """Step this rank's shards with the inner optimizer, then all-gather the new parameters.
 
-        With ``gather_in_forward``, the all-gathers are only launched here: the model's
-        modules wait for them in their next forward.
-
         Args:
             closure: not supported (it would re-run the model on every rank for a shard).
 
@@ -166,12 +154,11 @@ class ShardedOptimizer(Optimizer):
         """
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() takes no closure.")
-        self.param_gather.wait()  # last step's gathers, if no forward waited for them
         self._sync_groups(to_inner=True)
         self.grad_shards.point_shard_grads()
         self.optim.step()
         self.grad_shards.release()
-        self.param_gather.start()
+        self._gather_params()
         self._steps += 1
         return None
 
@@ -182,6 +169,19 @@ class ShardedOptimizer(Optimizer):
             for k, v in src.items():
                 if k != "params":
                     dst[k] = v
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        works = []
+        for bucket in self.buckets:
+            mine = bucket.new_matrix(1)  # this rank's row: its shard of each parameter, padded
+            bucket.pack(mine, [self.shards[i] for i in bucket.indices])
+            full = bucket.new_matrix(self.world_size)
+            works.append((bucket, full, all_gather(full.view(-1), mine.view(-1),
+                                                   group=self.process_group, async_op=True)))
+        for bucket, full, work in works:
+            work.wait()
+            bucket.unpack(full)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the full gradients and this rank's accumulated gradient shards."""
@@ -198,7 +198,6 @@ class ShardedOptimizer(Optimizer):
         Args:
             to: rank of the group that receives the state (default 0).
         """
-        self.param_gather.wait()
         self._consolidated = checkpoint.consolidate_on(self, to)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -225,12 +224,9 @@ class ShardedOptimizer(Optimizer):
         Args:
             state_dict: the dict :meth:`state_dict` returned (possibly saved and loaded).
         """
-        self.param_gather.wait()  # the load must not race a gather into the shards
         checkpoint.load_state(self, state_dict)
         self._consolidated = None
 
     def remove_hooks(self) -> None:
-        """Remove the backward hooks of ``gradients="sharded"`` and the forward hooks of
-        ``gather_in_forward`` (e.g. before re-wrapping)."""
+        """Remove the backward hooks of ``gradients="sharded"`` (e.g. before re-wrapping)."""
         self.grad_shards.remove_hooks()
-        self.param_gather.remove_hooks()
