@@ -140,49 +140,77 @@ def expected_ring_bytes(nbytes: float, world_size: int) -> float:
     return 2 * (world_size - 1) * nbytes / world_size
 
 
-# -- lessons 03, 06, 07: data-parallel training, computed in one process ------------------------
-def train_reference(model_fn, seed0: int, batches: list, lr: float) -> dict:
-    """Train what DDP computes, and one process on the whole batch; record every step.
+# -- lessons 03, 06, 07, 10, 13, 14: data-parallel training, computed in one process -------------
+def train_one_process(model_fn, seed: int, batches: list, optimizer, *,
+                      loss_fn=nn.functional.mse_loss, divide_by_initial_world_size: bool = True,
+                      prepare=None) -> dict:
+    """Train in one process what data-parallel ranks compute together; record every step.
+
+    Each step, every rank with data accumulates its gradient over its micro-batches (each
+    micro-batch's loss divided by their number, as lesson 07 divides it); the ranks'
+    gradients, each divided by the divisor before they are summed (as DDP's reducer
+    divides), are the step's gradient, with which one optimizer steps. A parameter no rank
+    produced a gradient for keeps none. One rank holding the whole batch is one process
+    training on it (see :func:`whole_batch`).
 
     Args:
         model_fn: ``model_fn(seed)`` builds the check's model.
-        seed0: rank 0's seed (DDP starts every replica from rank 0's parameters).
-        batches: ``batches[step][rank]`` is a list of micro-batches ``(x, y)``.
-        lr: SGD learning rate.
+        seed: rank 0's seed (DDP starts every replica from rank 0's parameters and buffers).
+        batches: ``batches[step][rank]`` is that rank's list of micro-batches ``(x, y)``; an
+            empty list means the rank has no data in that step (it joined).
+        optimizer: ``optimizer(params)`` builds the optimizer over the model's parameters.
+        loss_fn: ``loss_fn(output, y)``, one micro-batch's loss before the division.
+        divide_by_initial_world_size: divide by the number of ranks (True), or by the number
+            of ranks with data in the step (False), as ``Join``'s keyword.
+        prepare: ``prepare(model, step, rank)`` runs before a rank's forward (e.g. to choose
+            the layers that rank uses).
 
     Returns:
-        ``{"init", "ddp": {"grads", "params"}, "single": {"params"}}``; the DDP gradient
-        of a step is the mean over ranks of each rank's accumulated gradient, where each
-        micro-batch's mean loss is divided by the number of micro-batches.
+        ``{"init", "grads", "params", "buffers"}``: the parameters before training; per step,
+        the gradients it stepped with (``None`` for a parameter without one), the parameters
+        after it, and per rank the buffers after its forward. Before a rank's first forward
+        of a step the model holds rank 0's buffers as they were when the step began (DDP's
+        ``broadcast_buffers``).
     """
-    init = [p.detach().clone() for p in model_fn(seed0).parameters()]
-    out = {"init": init, "ddp": {"grads": [], "params": []}, "single": {"params": []}}
-    ddp, single = model_fn(seed0), model_fn(seed0)
-    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=lr)
-    opt_one = torch.optim.SGD(single.parameters(), lr=lr)
-    loss_fn = nn.functional.mse_loss
-    for per_rank in batches:
-        n = len(per_rank)
-        grads = None
-        for micro in per_rank:
-            ddp.zero_grad(set_to_none=True)
+    model = model_fn(seed)
+    params = list(model.parameters())
+    opt = optimizer(params)
+    rank0_buffers = [b.detach().clone() for b in model.buffers()]
+    out: dict = {"init": [p.detach().clone() for p in params], "grads": [], "params": [],
+                 "buffers": []}
+    for step, per_rank in enumerate(batches):
+        with_data = sum(1 for micro in per_rank if micro)
+        divisor = len(per_rank) if divide_by_initial_world_size else with_data
+        total: list = [None] * len(params)
+        buffers = []
+        for rank, micro in enumerate(per_rank):
+            with torch.no_grad():
+                for b, v in zip(model.buffers(), rank0_buffers):
+                    b.copy_(v)
+            if prepare is not None:
+                prepare(model, step, rank)
+            model.zero_grad(set_to_none=True)
             for x, y in micro:
-                (loss_fn(ddp(x), y) / len(micro)).backward()
-            g = [p.grad.detach().clone() for p in ddp.parameters()]
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-        grads = [g / n for g in grads]
-        for p, g in zip(ddp.parameters(), grads):
-            p.grad = g.clone()
-        opt_ddp.step()
-        out["ddp"]["grads"].append(grads)
-        out["ddp"]["params"].append([p.detach().clone() for p in ddp.parameters()])
-        xs = torch.cat([x for micro in per_rank for x, _ in micro])
-        ys = torch.cat([y for micro in per_rank for _, y in micro])
-        opt_one.zero_grad(set_to_none=True)
-        loss_fn(single(xs), ys).backward()
-        opt_one.step()
-        out["single"]["params"].append([p.detach().clone() for p in single.parameters()])
+                (loss_fn(model(x), y) / len(micro)).backward()
+            buffers.append([b.detach().clone() for b in model.buffers()])
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    g = p.grad.detach() / divisor
+                    total[i] = g if total[i] is None else total[i] + g
+        rank0_buffers = buffers[0]
+        for p, g in zip(params, total):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+        out["grads"].append(total)
+        out["params"].append([p.detach().clone() for p in params])
+        out["buffers"].append(buffers)
     return out
+
+
+def whole_batch(batches: list) -> list:
+    """``batches[step][rank]`` (lists of micro-batches) as one rank with all of a step's rows."""
+    return [[[(torch.cat([x for micro in per_rank for x, _ in micro]),
+               torch.cat([y for micro in per_rank for _, y in micro]))]] for per_rank in batches]
 
 
 # -- lesson 14: FSDP's flat layout and the collectives of one step ------------------------------

@@ -4,7 +4,7 @@ Every rank builds the check's small MLP from its *own* fresh seed (so a missing
 start-up broadcast shows), trains it for a few SGD steps on its shard of fresh
 random batches, and returns its gradients and parameters after each step.
 The grader computes what DDP computes, and what one process on the whole batch
-computes (:func:`dpcourse.grading.oracles.train_reference`), and compares.
+computes (:func:`dpcourse.grading.oracles.train_one_process`), and compares.
 The overlap checks (06) judge one step's all-reduces with :func:`overlap_records`.
 """
 
@@ -25,6 +25,11 @@ BATCH = 4     # samples per rank and micro-batch
 STEPS = 3
 LR = 0.05
 MIB = 2**20
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    """The checks' optimizer: plain SGD at :data:`LR`."""
+    return torch.optim.SGD(params, lr=LR)
 
 C_BROADCAST = Criterion(
     "initial_broadcast", "after construction every rank holds rank 0's parameters",
@@ -127,7 +132,7 @@ def rank_train(link, learner: dict, inputs: dict, model_fn=make_model,
         wrapped = cls(model, **kwargs)
         init = clone_all(model.parameters())
         _instrument(link, first_layer(model), wrapped)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        optimizer = sgd(model.parameters())
         run = {"init": init, "grads": [], "params": []}
         for step, micro in enumerate(inputs["batches"]):
             begin(link, f"run {i}: step {step}")
@@ -154,19 +159,21 @@ def judge_training(ws, inputs, outputs, events, run=0, model_fn=make_model,
     from dpcourse.grading import oracles
 
     batches = [[inputs[r]["batches"][s] for r in range(ws)] for s in range(STEPS)]
-    ref = oracles.train_reference(model_fn, inputs[0]["seed"], batches, LR)
+    ddp = oracles.train_one_process(model_fn, inputs[0]["seed"], batches, sgd)
+    single = oracles.train_one_process(model_fn, inputs[0]["seed"],
+                                       oracles.whole_batch(batches), sgd)
     names = [n for n, _ in model_fn(0).named_parameters()]
     tol_ddp, tol_one = tolerance("gloo", torch.float32, "vs_ddp"), \
         tolerance("gloo", torch.float32, "vs_single")
     recs = []
     for r in range(ws):
         out = outputs[r]["runs"][run]
-        bad = first_mismatch(names, out["init"], ref["init"], (0, 0))
+        bad = first_mismatch(names, out["init"], ddp["init"], (0, 0))
         recs.append(CaseVerdict(C_BROADCAST.name, not bad, f"rank {r}, {bad}" if bad else "",
                                 case))
         earlier_ok = True
         for step in range(STEPS):
-            bad = first_mismatch(names, out["grads"][step], ref["ddp"]["grads"][step], tol_ddp,
+            bad = first_mismatch(names, out["grads"][step], ddp["grads"][step], tol_ddp,
                                  ".grad")
             detail = f"rank {r}, step {step}, {bad}" if bad else ""
             if bad and not any(e.get("label") == "finish"
@@ -178,10 +185,10 @@ def judge_training(ws, inputs, outputs, events, run=0, model_fn=make_model,
             earlier_ok = earlier_ok and not bad
             recs.append(CaseVerdict(C_AVERAGED.name, not bad, detail, case))
         for step in range(STEPS):
-            bad = first_mismatch(names, out["params"][step], ref["ddp"]["params"][step], tol_ddp)
+            bad = first_mismatch(names, out["params"][step], ddp["params"][step], tol_ddp)
             recs.append(CaseVerdict(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad}"
                                     if bad else "", case))
-        bad = first_mismatch(names, out["params"][-1], ref["single"]["params"][-1], tol_one)
+        bad = first_mismatch(names, out["params"][-1], single["params"][-1], tol_one)
         recs.append(CaseVerdict(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, {bad}"
                                 if bad else "", case))
     return recs

@@ -70,51 +70,26 @@ def uses_extra(step: int, rank: int) -> bool:
     return used is None or rank in used
 
 
-def ddp_reference(seed0: int, batches: list, lr: float) -> dict:
+def ddp_reference(seed0: int, batches: list) -> dict:
     """What torch DDP (``find_unused_parameters=True``, ``broadcast_buffers=True``) leaves.
 
     Args:
         seed0: rank 0's seed (DDP starts every replica from rank 0's parameters and buffers).
         batches: ``batches[step][rank]`` is ``(x, y)``.
-        lr: SGD learning rate.
 
     Returns:
-        ``{"init": {"params", "buffers"}, "steps": [{"grads", "params", "buffers": per rank}]}``;
-        a gradient is the mean over ranks with zeros for ranks that did not use the parameter,
-        and stays None when no rank used it (or it is frozen).
+        :func:`~dpcourse.grading.oracles.train_one_process`'s record: a gradient is the mean
+        over ranks with zeros for ranks that did not use the parameter, and stays None when
+        no rank used it (or it is frozen); the buffers are each rank's after its forward.
     """
-    model = make_model(seed0, 0)
-    init = {"params": clone_all(model.parameters()), "buffers": clone_all(model.buffers())}
-    params = list(model.parameters())
-    rank0_buffers = clone_all(model.buffers())
-    out = {"init": init, "steps": []}
-    for step, per_rank in enumerate(batches):
-        grads_per_rank, buffers_per_rank = [], []
-        for rank, (x, y) in enumerate(per_rank):
-            with torch.no_grad():  # DDP broadcasts rank 0's buffers before every forward
-                for b, v in zip(model.buffers(), rank0_buffers):
-                    b.copy_(v)
-            model.use_extra = uses_extra(step, rank)
-            model.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), y).backward()
-            grads_per_rank.append(clone_all(p.grad for p in params))
-            buffers_per_rank.append(clone_all(model.buffers()))
-        rank0_buffers = buffers_per_rank[0]
-        grads = []
-        for i, p in enumerate(params):
-            mine = [g[i] for g in grads_per_rank]
-            if not p.requires_grad or all(g is None for g in mine):
-                grads.append(None)
-            else:
-                grads.append(sum(torch.zeros_like(p) if g is None else g for g in mine)
-                             / len(per_rank))
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                if g is not None:
-                    p -= lr * g
-        out["steps"].append({"grads": grads, "params": clone_all(params),
-                             "buffers": buffers_per_rank})
-    return out
+    from dpcourse.grading import oracles
+
+    def use_extra(model, step, rank):
+        model.use_extra = uses_extra(step, rank)
+
+    return oracles.train_one_process(lambda seed: make_model(seed, 0), seed0,
+                                     [[[xy] for xy in per_rank] for per_rank in batches],
+                                     d.sgd, prepare=use_extra)
 
 
 class BuffersUnused(d.DDPExercise):
@@ -176,7 +151,7 @@ class BuffersUnused(d.DDPExercise):
         wrapped = learner["main"](model)
         out = {"steps": [], "init": {"params": clone_all(model.parameters()),
                                      "buffers": clone_all(model.buffers())}}
-        optimizer = torch.optim.SGD(model.parameters(), lr=d.LR)
+        optimizer = d.sgd(model.parameters())
         for step, (x, y) in enumerate(inputs["batches"]):
             model.use_extra = uses_extra(step, rank)
             begin(link, f"step {step}; extra used on rank(s) "
@@ -189,26 +164,27 @@ class BuffersUnused(d.DDPExercise):
 
     def judge(self, ws, inputs, outputs, events):
         batches = [[inputs[r]["batches"][s] for r in range(ws)] for s in range(len(EXTRA_USED))]
-        ref = ddp_reference(inputs[0]["seed0"], batches, d.LR)
+        ref = ddp_reference(inputs[0]["seed0"], batches)
         tol = tolerance("gloo", torch.float32, "vs_ddp")
         model = make_model(0, 0)
         names = [n for n, _ in model.named_parameters()]
         bnames = [n for n, _ in model.named_buffers()]
+        init = ref["init"] + clone_all(make_model(inputs[0]["seed0"], 0).buffers())
         recs = []
         for r in range(ws):
             got = outputs[r]
             recs.append(_same("initial_broadcast", names + bnames,
                               got["init"]["params"] + got["init"]["buffers"],
-                              ref["init"]["params"] + ref["init"]["buffers"], (0, 0),
+                              init, (0, 0),
                               f"rank {r}, construction"))
             for step, used in enumerate(EXTRA_USED):
                 case = f"rank {r}, step {step}, extra used on " + (
                     "every rank" if used is None else f"rank(s) {list(used)}" if used
                     else "no rank")
-                mine, want = got["steps"][step], ref["steps"][step]
+                mine = got["steps"][step]
                 recs.append(_same("buffers_follow_rank_0", bnames, mine["buffers"],
-                                  want["buffers"][r], tol, case))
-                for n, a, b in zip(names, mine["grads"], want["grads"]):
+                                  ref["buffers"][step][r], tol, case))
+                for n, a, b in zip(names, mine["grads"], ref["grads"][step]):
                     crit = ("frozen_parameter_untouched" if n.startswith("frozen")
                             else "unused_parameter_keeps_no_grad" if b is None
                             else "partly_used_parameter" if n.startswith("extra") and used
@@ -220,12 +196,12 @@ class BuffersUnused(d.DDPExercise):
                     else:
                         diff = mismatch(a, b, *tol)
                         recs.append(CaseVerdict(crit, not diff, f"{n}.grad: {diff}", case))
-                recs.append(_same("matches_torch_ddp", names, mine["params"], want["params"],
-                                  tol, case))
+                recs.append(_same("matches_torch_ddp", names, mine["params"],
+                                  ref["params"][step], tol, case))
             frozen = [i for i, n in enumerate(names) if n.startswith("frozen")]
             recs.append(_same("frozen_parameter_untouched", [names[i] for i in frozen],
                               [got["steps"][-1]["params"][i] for i in frozen],
-                              [ref["init"]["params"][i] for i in frozen], (0, 0),
+                              [ref["init"][i] for i in frozen], (0, 0),
                               f"rank {r}, after training"))
         return recs
 

@@ -153,7 +153,7 @@ class TokenWeighted(d.DDPExercise):
             model = d.make_model(inputs["seed"])
             params = list(model.parameters())
             wrapped = _LikeDDP(model, dist)
-            optimizer = torch.optim.SGD(params, lr=d.LR)
+            optimizer = d.sgd(params)
             log, weights = {}, {}
 
             def at_step(opt, args, kwargs, log=log, params=params):

@@ -47,6 +47,12 @@ def make_model(seed: int) -> nn.Sequential:
     return model
 
 
+def make_optimizer(run: int, params) -> torch.optim.Optimizer:
+    """Run ``run``'s optimizer (:data:`RUNS`) over ``params``."""
+    name, kwargs = RUNS[run]
+    return (torch.optim.SGD if name == "sgd" else torch.optim.AdamW)(params, **kwargs)
+
+
 def layout() -> list[list[tuple[list[str], list, bool]]]:
     """Per unit, its flats as ``(parameter names, shapes, trainable)``: trainable first."""
     model, out = make_model(0), []
@@ -133,7 +139,7 @@ class Watch:
 
 def train_watched(link, cls, inputs: dict, run: int) -> dict:
     """Train run ``run`` of :data:`RUNS` with the learner's ``cls`` on every unit, watched."""
-    name, kwargs = RUNS[run]
+    name = RUNS[run][0]
     ws, rank = link.world_size, link.rank
     model = make_model(inputs["seed"])
     from dpcourse.fsdp.flat_params import FlatParams
@@ -144,7 +150,7 @@ def train_watched(link, cls, inputs: dict, run: int) -> dict:
     watch = Watch(model, flats)
     shards = [f for u in UNITS for f in flats[u]]
     trainable = [f.shard for f in shards if f.requires_grad]
-    opt = (torch.optim.SGD if name == "sgd" else torch.optim.AdamW)(trainable, **kwargs)
+    opt = make_optimizer(run, trainable)
     out = {"steps": [], "stopped": "", "stopped_criterion": "", "hooks": len(hooks)}
     for step, (x, y) in enumerate(inputs["batches"]):
         watch.log = []

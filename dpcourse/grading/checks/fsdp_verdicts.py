@@ -12,35 +12,30 @@ module (see :mod:`dpcourse.grading.rank`).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
-from torch import nn
 
 from dpcourse.grading import oracles
 from dpcourse.grading.checks.base import CaseVerdict, events_of
-from dpcourse.grading.checks.ex14_fsdp_hooks import RUNS, STEPS, TOL, UNITS, layout, make_model
+from dpcourse.grading.checks.ex14_fsdp_hooks import (RUNS, STEPS, TOL, UNITS, layout,
+                                                     make_model, make_optimizer)
 from dpcourse.grading.criteria import mismatch, tolerance
 
 
 def single_process(seed: int, run: int, batches_per_rank: list) -> dict:
-    """One process on the concatenated batch: parameters before and after each step, gradients."""
-    name, kwargs = RUNS[run]
-    model = make_model(seed)
-    params = dict(model.named_parameters())
-    opt = (torch.optim.SGD if name == "sgd" else torch.optim.AdamW)(
-        [p for p in params.values() if p.requires_grad], **kwargs)
-    out = {"before": [], "grads": [], "after": []}
-    for step in range(STEPS):
-        x = torch.cat([b[step][0] for b in batches_per_rank])
-        y = torch.cat([b[step][1] for b in batches_per_rank])
-        out["before"].append({n: p.detach().clone() for n, p in params.items()})
-        opt.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        out["grads"].append({n: p.grad.detach().clone() for n, p in params.items()
-                             if p.grad is not None})
-        opt.step()
-        out["after"].append({n: p.detach().clone() for n, p in params.items()})
-    return out
+    """One process on the concatenated batch: per step, gradients and parameters after it.
+
+    Returns:
+        ``{"init", "grads", "after"}``, each a ``{name: tensor}`` (per step for the last two).
+    """
+    batches = [[[b[step]] for b in batches_per_rank] for step in range(STEPS)]
+    ref = oracles.train_one_process(make_model, seed, oracles.whole_batch(batches),
+                                    partial(make_optimizer, run))
+    names = [n for n, _ in make_model(0).named_parameters()]
+    return {"init": dict(zip(names, ref["init"])),
+            "grads": [dict(zip(names, g)) for g in ref["grads"]],
+            "after": [dict(zip(names, p)) for p in ref["params"]]}
 
 
 def _assemble(outs: list, step: int) -> dict | None:
@@ -83,7 +78,7 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
         outs = [outputs[r][run] for r in range(ws)]
         # What the shards held when each step began: the gathers are judged against
         # these, so that a wrong gradient is not blamed on the gathers of the next step.
-        held = [ref["before"][0]] + [_assemble(outs, s) for s in range(STEPS - 1)]
+        held = [ref["init"]] + [_assemble(outs, s) for s in range(STEPS - 1)]
         for r in range(ws):
             recs += _judge_rank(ws, r, run, held, ref, outs[r], events[r])
         for step in range(STEPS):

@@ -9,10 +9,12 @@ it. Grader-only: graded ranks cannot import this module (see
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from functools import partial
 
-from dpcourse.grading.checks.base import CaseVerdict, clone_all, describe_ops, events_of
+import torch
+
+from dpcourse.grading import oracles
+from dpcourse.grading.checks.base import CaseVerdict, describe_ops, events_of
 from dpcourse.grading.checks.ex10_join import CASES, LR, make_model
 from dpcourse.grading.criteria import first_mismatch, mismatch, tolerance
 
@@ -31,27 +33,14 @@ def join_reference(seed0: int, batches: list, divide_by_initial_world_size: bool
         how many they are) and the sum goes to every one of them; a joined rank adds zeros.
         After ``Join`` every rank holds the parameters of a rank that joined last.
     """
-    ws = len(batches)
-    model = make_model(seed0)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(trainable, lr=LR)
-    out = {"grads": []}
-    for step in range(max(len(b) for b in batches)):
-        active = [r for r in range(ws) if len(batches[r]) > step]
-        divisor = ws if divide_by_initial_world_size else len(active)
-        total = None
-        for r in active:  # divide before summing, as DDP's reducer does
-            model.zero_grad(set_to_none=True)
-            x, y = batches[r][step]
-            nn.functional.mse_loss(model(x), y).backward()
-            mine = [p.grad / divisor for p in trainable]
-            total = mine if total is None else [a + b for a, b in zip(total, mine)]
-        for p, g in zip(trainable, total):
-            p.grad = g.clone()
-        opt.step()
-        out["grads"].append(total)
-    out["params"] = clone_all(model.parameters())
-    return out
+    steps = max(len(b) for b in batches)
+    ref = oracles.train_one_process(
+        make_model, seed0, [[b[step:step + 1] for b in batches] for step in range(steps)],
+        partial(torch.optim.SGD, lr=LR),
+        divide_by_initial_world_size=divide_by_initial_world_size)
+    trainable = [p.requires_grad for p in make_model(0).parameters()]
+    return {"grads": [[g for g, k in zip(grads, trainable) if k] for grads in ref["grads"]],
+            "params": ref["params"][-1]}
 
 
 def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:

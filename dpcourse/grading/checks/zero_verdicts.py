@@ -11,8 +11,8 @@ Grader-only: graded ranks cannot import this module (see :mod:`dpcourse.grading.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from dpcourse.grading import oracles
 from dpcourse.grading.checks.base import CaseVerdict, clone_all, events_of
 from dpcourse.grading.checks.ex13_sharded_step import (FROZEN, FROZEN_HINT, MICRO, STEPS, TOL,
                                                        make_model, make_optimizer, micro_loss)
@@ -36,19 +36,17 @@ def single_process(seed: int, batches: list, last_rows: list) -> dict:
         ``{"params", "grads", "last"}``: per step, lists over the parameters (``None`` for a
         frozen parameter's gradient).
     """
-    model = make_model(seed)
-    opt = make_optimizer(model.parameters())
-    out: dict = {"params": [], "grads": [], "last": []}
-    for (x, y), (xl, yl) in zip(batches, last_rows):
-        micro_loss(model, xl, yl).backward()  # the last micro-batches' share, ranks averaged
-        out["last"].append(clone_all(p.grad for p in model.parameters()))
+    ref = oracles.train_one_process(make_model, seed, [[[xy]] for xy in batches],
+                                    make_optimizer)
+    model, last = make_model(seed), []
+    for params, (x, y) in zip([ref["init"]] + ref["params"], last_rows):
+        with torch.no_grad():  # the parameters the step began with
+            for p, v in zip(model.parameters(), params):
+                p.copy_(v)
         model.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        out["grads"].append(clone_all(p.grad for p in model.parameters()))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["params"].append(clone_all(model.parameters()))
-    return out
+        micro_loss(model, x, y).backward()  # the last micro-batches' share, ranks averaged
+        last.append(clone_all(p.grad for p in model.parameters()))
+    return {"params": ref["params"], "grads": ref["grads"], "last": last}
 
 
 # The causes a shard gradient can be wrong for, each with the hint that follows from it.
