@@ -367,14 +367,12 @@ def test_exercise_check_skips_with_a_message_without_gpus(capsys):
     assert report["skipped"] and "at least 2 CUDA GPUs" in capsys.readouterr().out
 
 
-@pytest.mark.gpu(2)
-def test_exercise_check_passes_the_solution_kernels():
+def _solution_kernels():
+    """The module of solution 12's ``@kernel`` cells (one_shot_kernel, two_shot_kernel)."""
     import json
     import pathlib
     import sys
     import tempfile
-
-    from dpcourse.grading.checks.ex12_nvlink_kernels import check_nvlink_kernels
 
     root = pathlib.Path(__file__).resolve().parents[1]
     cells = json.loads((root / "solutions" / "12_nvlink_kernels.ipynb").read_text())["cells"]
@@ -389,6 +387,71 @@ def test_exercise_check_passes_the_solution_kernels():
             import solution12
         finally:
             sys.path.remove(tmp)
+    return solution12
+
+
+@pytest.mark.gpu(2)
+def test_exercise_check_passes_the_solution_kernels():
+    from dpcourse.grading.checks.ex12_nvlink_kernels import check_nvlink_kernels
+
+    solution12 = _solution_kernels()
     report = check_nvlink_kernels(solution12.one_shot_kernel, solution12.two_shot_kernel,
                                   quiet=True)
     assert all(all(v.values()) for v in report["results"].values()), report
+
+
+# -- exercise 12's two-shot: the sums must be loaded from their owners, not pushed ----------
+def _buffers_after_a_call(inputs, ws: int, pushed: bool, own_sum: bool = True) -> list[dict]:
+    """What each rank returns for each two-shot case: its result and its buffer half."""
+    from dpcourse.grading.checks.ex12_nvlink_kernels import SLICE_ALIGN, _cases, make_input
+
+    ranks = [{"cases": [], "buffer": []} for _ in range(ws)]
+    for _, n, dtype, how, seed in _cases(inputs):
+        probe, length = inputs["probes"][str(n)], chunk_size(n, ws, align=SLICE_ALIGN)
+        mine = [make_input(seed, r, n, dtype, how)[probe] for r in range(ws)]
+        total = sum(m.float() for m in mine).to(mine[0].dtype)
+        for r, got in enumerate(ranks):
+            owned = probe // length == r
+            if pushed:  # lesson 12: the owners stored their sums into this rank's buffer
+                buffer = torch.where(owned, torch.zeros_like(total), total)
+            else:
+                buffer = torch.where(owned, total if own_sum else mine[r], mine[r])
+            got["cases"].append(total)
+            got["buffer"].append(buffer)
+    return ranks
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_exercise_12_tells_a_pulling_two_shot_from_lesson_12s_pushing_one(ws):
+    import random
+
+    from dpcourse.grading.checks.ex12_nvlink_kernels import _judge_pulls
+    from dpcourse.grading.checks import get_spec
+
+    (inputs,) = get_spec("nvlink_kernels").make_inputs(random.Random(ws), 1)
+    verdicts = {how: _judge_pulls(ws, inputs, _buffers_after_a_call(inputs, ws, **kw))
+                for how, kw in (("pulls", {"pushed": False}), ("pushes", {"pushed": True}),
+                                ("keeps no sum", {"pushed": False, "own_sum": False}))}
+    assert verdicts["pulls"] and all(v.passed for v in verdicts["pulls"])
+    assert all(not v.passed for v in verdicts["pushes"])
+    assert "stored into it (pushed)" in verdicts["pushes"][0].detail
+    # A rank that keeps its sum only in x: its peers could not have loaded it. (With one or
+    # a few elements a small-integer sum can equal the rank's own input by chance.)
+    assert all(not v.passed for v in verdicts["keeps no sum"] if int(v.case.split()[0]) > 16)
+    assert "does not hold its sum" in verdicts["keeps no sum"][0].detail
+
+
+@pytest.mark.gpu(2)
+def test_exercise_12_check_fails_lesson_12s_pushing_two_shot_on_placement_only():
+    from dpcourse.comm.kernels import kernel_source
+    from dpcourse.comm.kernels.exercise import LearnerKernel
+    from dpcourse.grading.checks.ex12_nvlink_kernels import check_nvlink_kernels
+
+    # Lesson 12's printed kernel handed in as the answer: right sums, but pushed.
+    two_shot = kernel_source("two_shot_kernel")  # "@triton.jit" first: the check adds its own
+    pushing = LearnerKernel("two_shot_kernel", two_shot[two_shot.index("def "):] + "\n\n"
+                            + kernel_source("copy_other_slices") + "\n")
+    report = check_nvlink_kernels(_solution_kernels().one_shot_kernel, pushing, quiet=True)
+    two = report["results"]["two_shot"]
+    assert {k for k, ok in two.items() if not ok} == {"pulls_the_sums"}, report
+

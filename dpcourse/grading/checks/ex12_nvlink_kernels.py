@@ -1,4 +1,10 @@
-"""Exercise 12: the learner's one-shot and two-shot Triton kernels on NVLink.
+"""Exercise 12: the learner's one-shot kernel, and a two-shot kernel whose all-gather loads.
+
+Lesson 12's two-shot pushes each slice's sum into every peer's buffer. The exercise's
+two-shot must instead leave the sum in its owner's buffer and let every other rank
+load it (the all-gather by loads, not stores): the same result, a different placement
+of the sums, and its own argument for where the barriers go. After each two-shot call
+the GPU ranks also return their buffer half, so the grader sees where the sums went.
 
 The graded rank hands the kernels' source to GPU ranks it launches (over NCCL, 2
 ranks, and 4 where the grader sees 4 GPUs), which build their inputs from seeds the
@@ -16,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from dpcourse.comm.sharding import chunk_size
 from dpcourse.grading.checks.base import CaseVerdict, Exercise
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
 
@@ -29,6 +36,7 @@ MIN_GPUS = 2
 NEEDS = f"at least {MIN_GPUS} NVLink-connected GPUs"
 SAMPLE, CALLS, SAMPLED_CALLS = 4096, 1000, 24
 FULL_BELOW = 70_000  # tensors up to this length come back whole
+SLICE_ALIGN = 16  # the host's two-shot slices: chunk_size(numel, ranks, align=16) elements
 
 
 CRITERIA = (  # of each kernel; the check names them one_shot_... and two_shot_...
@@ -50,6 +58,15 @@ CRITERIA = (  # of each kernel; the check names them one_shot_... and two_shot_.
               "Every block must call block_barrier the same number of times on every rank, "
               "with its own program id; never return early from a block."),
 )
+
+
+PULLS = Criterion(
+    "two_shot_pulls_the_sums", "two-shot: each slice's sum stays in its owner's buffer and the "
+    "other ranks load it from there (no rank stores a sum into a peer's buffer)",
+    "After adding your slice, store the sum into x and into your OWN buf at the same offsets; "
+    "after the second block_barrier, load each other slice s from its owner's buffer "
+    "(buf + peer_delta(buf_deltas, s)) into x. Stores into the peers' buffers are lesson 12's "
+    "push version, not this one.", requires="two_shot")
 
 
 def _gpu_count() -> int:
@@ -83,7 +100,7 @@ def gpu_rank(kernels: dict, inputs: dict) -> dict:
     import torch.distributed as dist
 
     from dpcourse.comm.kernels import release_workspaces
-    from dpcourse.comm.kernels.exercise import all_reduce_with
+    from dpcourse.comm.kernels.exercise import all_reduce_with, last_buffer_half
 
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -91,11 +108,14 @@ def gpu_rank(kernels: dict, inputs: dict) -> dict:
     out = {}
     try:
         for name, learner in kernels.items():
-            fn, got = all_reduce_with(learner, name), {"cases": [], "calls": []}
+            fn, got = all_reduce_with(learner, name), {"cases": [], "calls": [], "buffer": []}
             for _, n, dtype, kind, seed in _cases(inputs):
                 x = make_input(seed, rank, n, dtype, kind).to(dev)
                 fn(x)
-                got["cases"].append(x[inputs["probes"][str(n)].to(dev)].cpu())
+                probe = inputs["probes"][str(n)].to(dev)
+                got["cases"].append(x[probe].cpu())
+                if name == "two_shot":  # where this rank's buffer holds what
+                    got["buffer"].append(last_buffer_half(x)[probe].cpu())
             for n in (4097, 300_001):
                 for dtype in DTYPES:
                     base = make_input(inputs["seed"] - 1, rank, n, dtype, "int").to(dev)
@@ -117,7 +137,7 @@ def gpu_rank(kernels: dict, inputs: dict) -> dict:
 
 
 class NvlinkKernels(Exercise):
-    """``one_shot_kernel`` and ``two_shot_kernel``, run on this machine's GPUs."""
+    """``one_shot_kernel`` and a pulling ``two_shot_kernel``, run on this machine's GPUs."""
 
     name, exercise, title = "nvlink_kernels", "12", "All-reduce kernels on NVLink"
     defines = (("main", "one_shot_kernel"), ("two_shot", "two_shot_kernel"))
@@ -130,7 +150,7 @@ class NvlinkKernels(Exercise):
         replace(c, name=f"{kind}_{c.name}", description=f"{kind.replace('_', '-')}: "
                 f"{c.description}", requires=None if kind == "one_shot" else "two_shot")
         for kind in KINDS for c in CRITERIA) + (
-        no_delegation("one_shot_matches_all_reduce"), no_deadlock("one_shot_matches_all_reduce"))
+        PULLS, no_delegation("one_shot_matches_all_reduce"), no_deadlock("one_shot_matches_all_reduce"))
     notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "
              "least 2 CUDA GPUs",)
 
@@ -189,10 +209,14 @@ class NvlinkKernels(Exercise):
                 recs += [CaseVerdict(f"{kind}_{c.name}", False, f"{ws} ranks: {run['failed']}")
                          for kind in KINDS for c in CRITERIA
                          if c.name == "kernels_return" or not run.get("timeout")]
+                if not run.get("timeout"):
+                    recs.append(CaseVerdict(PULLS.name, False, f"{ws} ranks: {run['failed']}"))
                 continue
             recs += [CaseVerdict(f"{kind}_kernels_return", True) for kind in run["ranks"][0]]
             for kind in run["ranks"][0]:
                 recs += _judge_kind(kind, ws, inputs, [r[kind] for r in run["ranks"]])
+            if "two_shot" in run["ranks"][0]:
+                recs += _judge_pulls(ws, inputs, [r["two_shot"] for r in run["ranks"]])
         return recs
 
 
@@ -227,10 +251,38 @@ def _judge_kind(kind: str, ws: int, inputs: dict, ranks: list) -> list[CaseVerdi
     return recs
 
 
+def _judge_pulls(ws: int, inputs: dict, ranks: list) -> list[CaseVerdict]:
+    """Rank r's buffer after a call: its own slice holds its sum, every other slice its input."""
+    recs = []
+    for i, (_, n, dtype, how, seed) in enumerate(_cases(inputs)):
+        probe, length = inputs["probes"][str(n)], chunk_size(n, ws, align=SLICE_ALIGN)
+        case, why = f"{n} elements, {dtype}, {ws} ranks", ""
+        for r, got in enumerate(ranks):
+            mine = probe // length == r
+            inputs_r = make_input(seed, r, n, dtype, how)[probe]
+            wrong = got["buffer"][i] != torch.where(mine, got["cases"][i], inputs_r)
+            pushed, kept = (wrong & ~mine).nonzero().flatten(), (wrong & mine).nonzero().flatten()
+            if len(pushed):  # a slice of another owner holds something else than our input
+                j = pushed[0].item()
+                pos = probe[j].item()
+                why = (f"{case}: rank {r}'s buffer at element {pos} (slice {pos // length}) holds "
+                       f"{got['buffer'][i][j].item():.6g}, not rank {r}'s input "
+                       f"{inputs_r[j].item():.6g}: rank {pos // length} stored into it (pushed)")
+                break
+            if len(kept):
+                pos = probe[kept[0].item()].item()
+                why = (f"{case}: rank {r}'s buffer at element {pos} of its own slice does not "
+                       "hold its sum, so its peers could not have loaded the sum from there")
+                break
+        recs.append(CaseVerdict("two_shot_pulls_the_sums", not why, why, case))
+    return recs
+
+
 def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, quiet: bool = False) -> dict:
     """Run ``check("nvlink_kernels", ...)``; return ``{"skipped", "message", "results"}``.
 
-    ``results`` is ``{kind: {criterion: passed}}`` for each kernel given, empty when skipped.
+    ``results`` is ``{kind: {criterion: passed}}`` for each kernel given, empty when skipped;
+    two-shot's criteria include ``pulls_the_sums``.
     """
     from dpcourse.grading.runner import check
 
@@ -239,5 +291,7 @@ def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, quiet: bool =
     if result.not_graded:  # nothing ran: no criterion has a verdict
         return {"skipped": True, "message": result.not_graded, "results": {}}
     return {"skipped": False, "message": "",
-            "results": {kind: {c.name: result.criterion(f"{kind}_{c.name}").passed
-                               for c in CRITERIA} for kind in ("one_shot", *extras)}}
+            "results": {kind: {name: result.criterion(f"{kind}_{name}").passed
+                               for name in [c.name for c in CRITERIA]
+                               + (["pulls_the_sums"] if kind == "two_shot" else [])}
+                        for kind in ("one_shot", *extras)}}
