@@ -28,7 +28,7 @@ from dpcourse.launch import reaper
 from dpcourse.launch.env import worker_env
 from dpcourse.launch.errors import signal_name
 from dpcourse.launch.procs import Guard, start_rank
-from dpcourse.launch.workdir import clean_stale_workdirs, make_workdir
+from dpcourse.launch.workdir import make_workdir
 
 # Of the grader's environment, a rank gets only these. The machine's GPU settings (e.g.
 # NVLink multicast switched off) hold for graded GPU ranks too.
@@ -66,7 +66,6 @@ class World:
     def __init__(self, size: int, setup: dict, label: str = "check", sandbox=None,
                  shared_folder: bool = False, dist_api=(), dist_why: str = ""):
         self.allowed, self.why = allowed_ops(dist_api), dist_why
-        clean_stale_workdirs()
         self.tmp = make_workdir(label)
         self.procs, self.socks, self.readers, self.logs = [], [], [], []
         self.sandboxed = sandbox is not None

@@ -19,7 +19,7 @@ from dpcourse.launch import guard
 from dpcourse.launch.env import worker_env
 from dpcourse.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.launch.relay import OutputRelay
-from dpcourse.launch.workdir import LaunchSpec, clean_stale_workdirs, make_workdir
+from dpcourse.launch.workdir import LaunchSpec, make_workdir
 
 # How long a rank that returned may take to destroy its process group and exit.
 SHUTDOWN_GRACE = 30.0
@@ -82,7 +82,6 @@ class Launch:
     def __init__(self, spec: LaunchSpec, timeout: float, prefix_output: bool):
         self.spec, self.timeout = spec, timeout
         self.world_size = spec.world_size
-        clean_stale_workdirs()
         self.workdir = make_workdir()
         self.procs: list[subprocess.Popen] = []
         self.guard: Guard | None = None

@@ -34,9 +34,11 @@ def _temp_dirs() -> list[str]:
 def make_workdir(label: str = "") -> str:
     """Create a launch's work directory; return its path.
 
-    It goes in the temporary directory (``TMPDIR``) unless the socket paths inside it
-    would be too long for an AF_UNIX address: a DataLoader worker then cannot hand
-    over its batch, and the rank waits for it forever. Then it goes in /tmp.
+    First it removes the directories of launchers that no longer exist
+    (:func:`clean_stale_workdirs`). The new one goes in the temporary directory
+    (``TMPDIR``) unless the socket paths inside it would be too long for an AF_UNIX
+    address: a DataLoader worker then cannot hand over its batch, and the rank waits
+    for it forever. Then it goes in /tmp.
 
     Args:
         label: a word put in the name after the launching process's pid (the grader
@@ -45,6 +47,7 @@ def make_workdir(label: str = "") -> str:
     Raises:
         RuntimeError: neither directory gives socket paths that fit; says what to set.
     """
+    clean_stale_workdirs()
     prefix = f"{WORKDIR_PREFIX}{os.getpid()}-" + (f"{label}-" if label else "")
     for tmp in _temp_dirs():
         # mkdtemp adds 8 random characters to the prefix.
