@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from dpcourse.grading.criteria import Criterion
+from dpcourse.grading.criteria import Criterion, first_mismatch
 
 
 @dataclass
@@ -128,6 +128,17 @@ def begin(link, case: str) -> None:
 def clone_all(tensors) -> list:
     """Detached copies of ``tensors``, ``None`` where there is no tensor (a missing gradient)."""
     return [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in tensors]
+
+
+def compare(criterion: str, names, got, want, tol, case: str = "",
+            where: str = "") -> CaseVerdict:
+    """Return ``criterion``'s record of tensors ``got`` against ``want``, to ``tol``.
+
+    It fails when one of them differs, with ``where`` followed by
+    :func:`~dpcourse.grading.criteria.first_mismatch`'s line for the first that does.
+    """
+    bad = first_mismatch(names, got, want, tol)
+    return CaseVerdict(criterion, not bad, f"{where}{bad}", case)
 
 
 def returned(value) -> object:

@@ -15,7 +15,8 @@ import contextlib
 import torch
 from torch import nn
 
-from dpcourse.grading.checks.base import CaseVerdict, Exercise, begin, clone_all, events_of
+from dpcourse.grading.checks.base import (CaseVerdict, Exercise, begin, clone_all, compare,
+                                          events_of)
 from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
 from dpcourse.grading.criteria import Criterion, first_mismatch, tolerance
 from dpcourse.grading.shim import COLLECTIVES, P2P
@@ -168,9 +169,8 @@ def judge_training(ws, inputs, outputs, events, run=0, model_fn=make_model,
     recs = []
     for r in range(ws):
         out = outputs[r]["runs"][run]
-        bad = first_mismatch(names, out["init"], ddp["init"], (0, 0))
-        recs.append(CaseVerdict(C_BROADCAST.name, not bad, f"rank {r}, {bad}" if bad else "",
-                                case))
+        recs.append(compare(C_BROADCAST.name, names, out["init"], ddp["init"], (0, 0), case,
+                            f"rank {r}, "))
         earlier_ok = True
         for step in range(STEPS):
             bad = first_mismatch(names, out["grads"][step], ddp["grads"][step], tol_ddp,
@@ -184,13 +184,10 @@ def judge_training(ws, inputs, outputs, events, run=0, model_fn=make_model,
                 detail += f" ({LATER_STEP})"
             earlier_ok = earlier_ok and not bad
             recs.append(CaseVerdict(C_AVERAGED.name, not bad, detail, case))
-        for step in range(STEPS):
-            bad = first_mismatch(names, out["params"][step], ddp["params"][step], tol_ddp)
-            recs.append(CaseVerdict(C_DDP.name, not bad, f"rank {r}, after step {step}, {bad}"
-                                    if bad else "", case))
-        bad = first_mismatch(names, out["params"][-1], single["params"][-1], tol_one)
-        recs.append(CaseVerdict(C_SINGLE.name, not bad, f"rank {r}, after step {STEPS - 1}, {bad}"
-                                if bad else "", case))
+        recs += [compare(C_DDP.name, names, out["params"][step], ddp["params"][step], tol_ddp,
+                         case, f"rank {r}, after step {step}, ") for step in range(STEPS)]
+        recs.append(compare(C_SINGLE.name, names, out["params"][-1], single["params"][-1],
+                            tol_one, case, f"rank {r}, after step {STEPS - 1}, "))
     return recs
 
 

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict, begin, clone_all
+from dpcourse.grading.checks.base import CaseVerdict, begin, clone_all, compare
 from dpcourse.grading.checks.random_inputs import regression_batches, torch_generator
-from dpcourse.grading.criteria import (Criterion, first_mismatch, mismatch, no_deadlock,
-                                       no_delegation, tolerance)
+from dpcourse.grading.criteria import (Criterion, mismatch, no_deadlock, no_delegation,
+                                       tolerance)
 
 EXTRA_USED = ((0,), (), None)  # ranks that use ``extra`` in each step: some, none, all
 # Samples per rank and step. Batch norm divides by the batch's standard deviation, and
@@ -173,17 +173,16 @@ class BuffersUnused(d.DDPExercise):
         recs = []
         for r in range(ws):
             got = outputs[r]
-            recs.append(_same("initial_broadcast", names + bnames,
-                              got["init"]["params"] + got["init"]["buffers"],
-                              init, (0, 0),
-                              f"rank {r}, construction"))
+            recs.append(compare("initial_broadcast", names + bnames,
+                                got["init"]["params"] + got["init"]["buffers"], init, (0, 0),
+                                f"rank {r}, construction"))
             for step, used in enumerate(EXTRA_USED):
                 case = f"rank {r}, step {step}, extra used on " + (
                     "every rank" if used is None else f"rank(s) {list(used)}" if used
                     else "no rank")
                 mine = got["steps"][step]
-                recs.append(_same("buffers_follow_rank_0", bnames, mine["buffers"],
-                                  ref["buffers"][step][r], tol, case))
+                recs.append(compare("buffers_follow_rank_0", bnames, mine["buffers"],
+                                    ref["buffers"][step][r], tol, case))
                 for n, a, b in zip(names, mine["grads"], ref["grads"][step]):
                     crit = ("frozen_parameter_untouched" if n.startswith("frozen")
                             else "unused_parameter_keeps_no_grad" if b is None
@@ -196,16 +195,11 @@ class BuffersUnused(d.DDPExercise):
                     else:
                         diff = mismatch(a, b, *tol)
                         recs.append(CaseVerdict(crit, not diff, f"{n}.grad: {diff}", case))
-                recs.append(_same("matches_torch_ddp", names, mine["params"],
-                                  ref["params"][step], tol, case))
+                recs.append(compare("matches_torch_ddp", names, mine["params"],
+                                    ref["params"][step], tol, case))
             frozen = [i for i, n in enumerate(names) if n.startswith("frozen")]
-            recs.append(_same("frozen_parameter_untouched", [names[i] for i in frozen],
-                              [got["steps"][-1]["params"][i] for i in frozen],
-                              [ref["init"][i] for i in frozen], (0, 0),
-                              f"rank {r}, after training"))
+            recs.append(compare("frozen_parameter_untouched", [names[i] for i in frozen],
+                                [got["steps"][-1]["params"][i] for i in frozen],
+                                [ref["init"][i] for i in frozen], (0, 0),
+                                f"rank {r}, after training"))
         return recs
-
-
-def _same(crit, names, got, want, tol, case) -> CaseVerdict:
-    bad = first_mismatch(names, got, want, tol)
-    return CaseVerdict(crit, not bad, bad, case)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from dpcourse.grading import oracles
-from dpcourse.grading.checks.base import CaseVerdict, describe_ops, events_of
+from dpcourse.grading.checks.base import CaseVerdict, compare, describe_ops, events_of
 from dpcourse.grading.checks.ex11_error_feedback import (DTYPE, PARAMS, SIZES, STEPS, TRACKING,
                                                       bucket_grads, bucket_layout, per_param)
-from dpcourse.grading.criteria import first_mismatch, mismatch
+from dpcourse.grading.criteria import mismatch
 
 
 def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
@@ -29,9 +29,10 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
     # First step: torch's hook on the same gradients.
     for i, n in enumerate(SIZES):
         want = oracles.compress_hook([grads[r][0][i] for r in range(ws)], DTYPE)
-        bad = first_mismatch([f"rank {r}, bucket of {n}" for r in range(ws)],
-                             [steps[r][0]["results"][i] for r in range(ws)], [want] * ws, (0, 0))
-        recs.append(CaseVerdict("first_step_is_torchs_hook", not bad, bad, label))
+        recs.append(compare("first_step_is_torchs_hook",
+                            [f"rank {r}, bucket of {n}" for r in range(ws)],
+                            [steps[r][0]["results"][i] for r in range(ws)], [want] * ws, (0, 0),
+                            label))
     for r in range(ws):
         for s in range(STEPS):
             recs.append(_bytes(events[r], s, f"{label}, rank {r}, step {s}"))
@@ -88,9 +89,9 @@ def _step(ws, grads, steps, s, i, where) -> list[CaseVerdict]:
         total = sents[0][0].clone()
         for x in sents[1:]:
             total += x[0]
-        bad = first_mismatch([f"rank {r}" for r in range(ws)], [steps[r][s]["results"][i]
-                             for r in range(ws)], [total.float()] * ws, (0, 0))
-        recs.append(CaseVerdict("returns_reduced", not bad, bad, where))
+        recs.append(compare("returns_reduced", [f"rank {r}" for r in range(ws)],
+                            [steps[r][s]["results"][i] for r in range(ws)], [total.float()] * ws,
+                            (0, 0), where))
     return recs
 
 

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from dpcourse.grading import oracles
-from dpcourse.grading.checks.base import CaseVerdict, events_of
+from dpcourse.grading.checks.base import CaseVerdict, compare, events_of
 from dpcourse.grading.checks.ex14_fsdp_hooks import (RUNS, STEPS, TOL, UNITS, layout,
                                                      make_model, make_optimizer)
 from dpcourse.grading.criteria import mismatch, tolerance
@@ -85,10 +85,9 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
             full = _assemble(outs, step)
             if full is None:
                 break
-            bad = next((f"{n}: {m}" for n, t in full.items()
-                        if (m := mismatch(t, ref["after"][step][n], *TOL))), "")
-            recs.append(CaseVerdict("matches_single_process", not bad, bad,
-                               f"{RUNS[run][0]}, world size {ws}, after step {step}"))
+            recs.append(compare("matches_single_process", list(full), list(full.values()),
+                                [ref["after"][step][n] for n in full], TOL,
+                                f"{RUNS[run][0]}, world size {ws}, after step {step}"))
     return recs
 
 

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from dpcourse.grading import oracles
-from dpcourse.grading.checks.base import CaseVerdict, describe_ops, events_of
+from dpcourse.grading.checks.base import CaseVerdict, compare, describe_ops, events_of
 from dpcourse.grading.checks.ex10_join import CASES, LR, make_model
 from dpcourse.grading.criteria import first_mismatch, mismatch, tolerance
 
@@ -62,9 +62,8 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
             recs.append(_grads(crit, got, ref, other, trainable, counts, r, ws, divide,
                                tol, label))
             recs.append(_agree(got, outputs, k, counts, r, label))
-            bad = first_mismatch(names, got["params"], ref["params"], tol)
-            recs.append(CaseVerdict("matches_torch_join", not bad, f"rank {r}, {bad}" if bad
-                                    else "", label))
+            recs.append(compare("matches_torch_join", names, got["params"], ref["params"], tol,
+                                label, f"rank {r}, "))
     return recs
 
 

@@ -14,10 +14,10 @@ import torch
 
 from dpcourse.grading import oracles
 from dpcourse.grading.checks import ddp_common as d
-from dpcourse.grading.checks.base import CaseVerdict
+from dpcourse.grading.checks.base import CaseVerdict, compare
 from dpcourse.grading.checks.ex07_token_weighted import CASES, case_sizes
 from dpcourse.grading.checks.grad_reductions import count_detail
-from dpcourse.grading.criteria import mismatch, tolerance
+from dpcourse.grading.criteria import tolerance
 
 
 @dataclass
@@ -49,13 +49,9 @@ def judge(ws, inputs, outputs, events) -> list[CaseVerdict]:
                     recs.append(CaseVerdict("matches_single_process", False,
                                             "optimizer.step() was not called", label))
                     continue
-                bad = [(n, "no gradient" if a is None else mismatch(a, b, *tol))
-                       for n, a, b in zip(names, got["at_step"][0], grads)]
-                bad += [(n, mismatch(a, b, *tol)) for n, a, b in zip(names, got["params"],
-                                                                     params)]
-                bad = [x for x in bad if x[1]]
-                recs.append(CaseVerdict("matches_single_process", not bad,
-                                        f"{bad[0][0]}: {bad[0][1]}" if bad else "", label))
+                recs.append(compare("matches_single_process", names + names,
+                                    got["at_step"][0] + got["params"], grads + params, tol,
+                                    label))
     return recs
 
 
