@@ -441,17 +441,33 @@ def test_exercise_12_tells_a_pulling_two_shot_from_lesson_12s_pushing_one(ws):
     assert "does not hold its sum" in verdicts["keeps no sum"][0].detail
 
 
+def test_exercise_12_credits_two_shot_only_once_it_pulls():
+    from dpcourse.grading.checks import get_spec
+
+    spec = get_spec("nvlink_kernels")
+    two_shot = [c for c in spec.criteria if c.name.startswith("two_shot_")]
+    assert {c.name for c in two_shot if c.needs == ("two_shot_pulls_the_sums",)} == {
+        c.name for c in two_shot} - {"two_shot_pulls_the_sums"}
+    assert all(not c.needs for c in spec.criteria if c.name.startswith("one_shot_"))
+
+
 @pytest.mark.gpu(2)
 def test_exercise_12_check_fails_lesson_12s_pushing_two_shot_on_placement_only():
     from dpcourse.comm.kernels import kernel_source
     from dpcourse.comm.kernels.exercise import LearnerKernel
-    from dpcourse.grading.checks.ex12_nvlink_kernels import check_nvlink_kernels
+    from dpcourse.grading import check
+    from dpcourse.grading.checks.ex12_nvlink_kernels import CRITERIA
 
     # Lesson 12's printed kernel handed in as the answer: right sums, but pushed.
     two_shot = kernel_source("two_shot_kernel")  # "@triton.jit" first: the check adds its own
     pushing = LearnerKernel("two_shot_kernel", two_shot[two_shot.index("def "):] + "\n\n"
                             + kernel_source("copy_other_slices") + "\n")
-    report = check_nvlink_kernels(_solution_kernels().one_shot_kernel, pushing, quiet=True)
-    two = report["results"]["two_shot"]
-    assert {k for k, ok in two.items() if not ok} == {"pulls_the_sums"}, report
+    result = check("nvlink_kernels", _solution_kernels().one_shot_kernel, two_shot=pushing,
+                   quiet=True)
+    pulls = result.criterion("two_shot_pulls_the_sums")
+    assert not pulls.passed and "(pushed)" in pulls.detail, pulls
+    for c in CRITERIA:  # every sum was right, yet none of two-shot's criteria is credited
+        assert result.criterion(f"one_shot_{c.name}").passed
+        two = result.criterion(f"two_shot_{c.name}")
+        assert not two.passed and two.detail.startswith("not credited"), two
 

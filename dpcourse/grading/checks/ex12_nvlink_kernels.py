@@ -146,9 +146,12 @@ class NvlinkKernels(Exercise):
     # What the notebook's kernels are written with (the exercise's own module).
     allowed_imports = {"dpcourse.comm.kernels.exercise": {"block_barrier", "kernel",
                                                           "peer_delta", "tl"}}
+    # Lesson 12's own (pushing) two-shot sums right: two-shot's criteria count only once
+    # the kernel is the one asked for, so a transcription of the lesson earns none of them.
     criteria = tuple(
         replace(c, name=f"{kind}_{c.name}", description=f"{kind.replace('_', '-')}: "
-                f"{c.description}", requires=None if kind == "one_shot" else "two_shot")
+                f"{c.description}", requires=None if kind == "one_shot" else "two_shot",
+                needs=() if kind == "one_shot" else (PULLS.name,))
         for kind in KINDS for c in CRITERIA) + (
         PULLS, no_delegation("one_shot_matches_all_reduce"), no_deadlock("one_shot_matches_all_reduce"))
     notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "
