@@ -403,11 +403,12 @@ def test_exercise_check_passes_the_solution_kernels():
 # -- exercise 12's two-shot: the sums must be loaded from their owners, not pushed ----------
 def _buffers_after_a_call(inputs, ws: int, pushed: bool, own_sum: bool = True) -> list[dict]:
     """What each rank returns for each two-shot case: its result and its buffer half."""
-    from dpcourse.grading.checks.ex12_nvlink_kernels import SLICE_ALIGN, _cases, make_input
+    from dpcourse.comm.kernels.allreduce import ALIGN
+    from dpcourse.grading.checks.ex12_nvlink_kernels import _cases, make_input
 
     ranks = [{"cases": [], "buffer": []} for _ in range(ws)]
     for _, n, dtype, how, seed in _cases(inputs):
-        probe, length = inputs["probes"][str(n)], chunk_size(n, ws, align=SLICE_ALIGN)
+        probe, length = inputs["probes"][str(n)], chunk_size(n, ws, align=ALIGN)
         mine = [make_input(seed, r, n, dtype, how)[probe] for r in range(ws)]
         total = sum(m.float() for m in mine).to(mine[0].dtype)
         for r, got in enumerate(ranks):

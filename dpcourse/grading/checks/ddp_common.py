@@ -32,6 +32,7 @@ def sgd(params) -> torch.optim.Optimizer:
     """The checks' optimizer: plain SGD at :data:`LR`."""
     return torch.optim.SGD(params, lr=LR)
 
+
 C_BROADCAST = Criterion(
     "initial_broadcast", "after construction every rank holds rank 0's parameters",
     "The replicas differ right after construction: each rank built its model from its own "

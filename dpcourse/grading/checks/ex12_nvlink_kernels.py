@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from dpcourse.comm.kernels.allreduce import ALIGN
 from dpcourse.comm.sharding import chunk_size
 from dpcourse.grading.checks.base import CaseVerdict, Exercise
 from dpcourse.grading.criteria import Criterion, no_deadlock, no_delegation
@@ -36,7 +37,6 @@ MIN_GPUS = 2
 NEEDS = f"at least {MIN_GPUS} NVLink-connected GPUs"
 SAMPLE, CALLS, SAMPLED_CALLS = 4096, 1000, 24
 FULL_BELOW = 70_000  # tensors up to this length come back whole
-SLICE_ALIGN = 16  # the host's two-shot slices: chunk_size(numel, ranks, align=16) elements
 
 
 CRITERIA = (  # of each kernel; the check names them one_shot_... and two_shot_...
@@ -153,7 +153,8 @@ class NvlinkKernels(Exercise):
                 f"{c.description}", requires=None if kind == "one_shot" else "two_shot",
                 needs=() if kind == "one_shot" else (PULLS.name,))
         for kind in KINDS for c in CRITERIA) + (
-        PULLS, no_delegation("one_shot_matches_all_reduce"), no_deadlock("one_shot_matches_all_reduce"))
+        PULLS, no_delegation("one_shot_matches_all_reduce"),
+        no_deadlock("one_shot_matches_all_reduce"))
     notes = ("runs on every GPU of this machine (2 ranks, and 4 where present); needs at "
              "least 2 CUDA GPUs",)
 
@@ -258,7 +259,8 @@ def _judge_pulls(ws: int, inputs: dict, ranks: list) -> list[CaseVerdict]:
     """Rank r's buffer after a call: its own slice holds its sum, every other slice its input."""
     recs = []
     for i, (_, n, dtype, how, seed) in enumerate(_cases(inputs)):
-        probe, length = inputs["probes"][str(n)], chunk_size(n, ws, align=SLICE_ALIGN)
+        probe = inputs["probes"][str(n)]
+        length = chunk_size(n, ws, align=ALIGN)  # the host's two-shot slices
         case, why = f"{n} elements, {dtype}, {ws} ranks", ""
         for r, got in enumerate(ranks):
             mine = probe // length == r
@@ -294,7 +296,6 @@ def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, quiet: bool =
     if result.not_graded:  # nothing ran: no criterion has a verdict
         return {"skipped": True, "message": result.not_graded, "results": {}}
     return {"skipped": False, "message": "",
-            "results": {kind: {name: result.criterion(f"{kind}_{name}").passed
-                               for name in [c.name for c in CRITERIA]
-                               + (["pulls_the_sums"] if kind == "two_shot" else [])}
+            "results": {kind: {c.name.removeprefix(f"{kind}_"): result.criterion(c.name).passed
+                               for c in NvlinkKernels.criteria if c.name.startswith(kind)}
                         for kind in ("one_shot", *extras)}}
