@@ -67,19 +67,52 @@ def _workdirs_of(pid: int) -> list[str]:
             if n.startswith(f"{workdir.WORKDIR_PREFIX}{pid}-")]
 
 
-def test_work_dir_of_a_killed_launcher_is_removed_by_the_next_launch():
+def _guard_of(launcher_pid: int) -> int:
+    """The pid of the launch's guard process (:mod:`dpcourse.launch.guard`)."""
+    import psutil
+
+    guards = [child.pid for child in psutil.Process(launcher_pid).children()
+              if any(arg.endswith("guard.py") for arg in child.cmdline())]
+    assert len(guards) == 1, f"expected one guard process, found {guards}"
+    return guards[0]
+
+
+def _launcher_with_its_payload_written() -> subprocess.Popen:
+    """A process whose ``dpcourse.run`` has written its work directory's payload."""
     code = ("import time, dpcourse; "
             "dpcourse.run(time.sleep, 120, world_size=1, backend='gloo', timeout=300)")
     launcher = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any(os.path.exists(os.path.join(d, "payload.pkl"))
+                  for d in _workdirs_of(launcher.pid)):
+        if time.monotonic() > deadline:
+            launcher.kill()
+            launcher.wait()
+            pytest.fail("the launcher never wrote its payload")
+        time.sleep(0.2)
+    return launcher
+
+
+def test_work_dir_of_a_launcher_killed_alone_is_removed_by_its_guard():
+    launcher = _launcher_with_its_payload_written()
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while _workdirs_of(launcher.pid):
+        assert time.monotonic() < deadline, "the guard left the killed launcher's directory"
+        time.sleep(0.1)
+
+
+def test_work_dir_of_a_killed_launcher_is_removed_by_the_next_launch():
+    """When the guard is killed too (the OOM killer, a container stopped), the next launch
+    removes the directory."""
+    launcher = _launcher_with_its_payload_written()
     try:
-        deadline = time.monotonic() + 120
-        while not any(os.path.exists(os.path.join(d, "payload.pkl"))
-                      for d in _workdirs_of(launcher.pid)):
-            assert time.monotonic() < deadline, "the launcher never wrote its payload"
-            time.sleep(0.2)
+        # The guard first, so that nothing is left to clean up: the directory stays.
+        os.kill(_guard_of(launcher.pid), signal.SIGKILL)
     finally:
-        launcher.send_signal(signal.SIGKILL)  # no cleanup can run: the directory stays
+        launcher.send_signal(signal.SIGKILL)
         launcher.wait()
     stale = _workdirs_of(launcher.pid)
     assert stale and all(os.path.isdir(d) for d in stale)
