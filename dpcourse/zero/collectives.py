@@ -56,14 +56,9 @@ def all_gather(output: torch.Tensor, block: torch.Tensor, group=None, async_op: 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``full`` over ranks and keep block ``rank`` of the sum in ``output``.
 
-    Args:
-        output: flat tensor of ``full.numel() / world_size`` elements, overwritten.
-        full: this rank's flat contribution, ``world_size`` equal blocks.
-        group: process group (``None``: the default group).
-        async_op: return a work handle instead of waiting.
-
-    Returns:
-        A work handle when ``async_op``, else ``None``.
+    ``full`` is this rank's flat contribution, ``world_size`` equal blocks; ``output``
+    (``full.numel() / world_size`` elements) is overwritten. ``group``, ``async_op`` and
+    the return value are :func:`all_gather`'s.
     """
     with _old_name_is_deliberate():
         return dist.reduce_scatter_tensor(output, full, group=group, async_op=async_op)
