@@ -52,5 +52,5 @@ def test_discussions_that_name_the_answer_stay_in_the_solutions():
         exercise = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
         assert not set(tagged[solution.name]) & {c.source for c in exercise.cells}
     # e.g. exercise 07's closing note says how many all-reduces the fix costs
-    assert all(tagged[n] for n in ("01_why_data_parallel.ipynb", "07_no_sync.ipynb",
+    assert all(tagged[n] for n in ("01_why_data_parallel.ipynb", "07_gradient_accumulation.ipynb",
                                    "08_real_training_run.ipynb")), tagged

@@ -332,7 +332,7 @@ def test_the_check_model_runs_layers_out_of_registration_order():
 # -- 07: accumulation over uneven micro-batches ----------------------------------------------
 
 def test_token_weighted_solution_passes_every_criterion(solution):
-    sol = solution("07_no_sync.ipynb")
+    sol = solution("07_gradient_accumulation.ipynb")
     _assert_all_passed(check("token_weighted", sol.accumulation_step, quiet=True))
 
 

@@ -56,7 +56,7 @@ def test_syncing_on_the_first_micro_batch_fails_syncs_once_per_step_with_its_cau
 
 @pytest.mark.timeout(600)
 def test_the_exercise_07_solutions_keep_full_marks(solution):
-    sol = solution("07_no_sync.ipynb")
+    sol = solution("07_gradient_accumulation.ipynb")
     _assert_all_passed(check("no_sync", sol.HookedDDP, quiet=True))
     _assert_all_passed(check("token_weighted", sol.accumulation_step, quiet=True))
 
