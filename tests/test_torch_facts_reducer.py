@@ -1,0 +1,293 @@
+"""What lessons 06-11 say about torch and gloo, asked of torch itself.
+
+Like ``tests/test_torch_facts.py``: every test asks torch (its process groups over gloo,
+DDP, Join, its communication hooks, AdamW), never dpcourse's wrappers, and each names the
+lesson section whose sentence it backs. The 2-rank probes run in one launch (a module
+fixture), so the file stays fast on a small CPU machine; each test then checks one statement.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms import Join
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dpcourse
+from test_torch_facts import _profiled
+
+
+# --------------------------------------------------------------------------- probes (in the ranks)
+
+
+def _order_probe(rank):
+    """Rank 0 all-reduces x then y; rank 1 issues its tensors the other way round."""
+    x, y = torch.tensor([1.0]), torch.tensor([10.0])
+    first, second = (x, y) if rank == 0 else (torch.tensor([20.0]), torch.tensor([2.0]))
+    dist.all_reduce(first)
+    dist.all_reduce(second)
+    return [first.item(), second.item()]
+
+
+def _completion_probe(rank):
+    """Rank 0 starts an all-reduce while rank 1 is held back until rank 0 says go."""
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.full((4,), float(rank + 1))
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        completed = []
+        for _ in range(10):  # rank 1 cannot have joined: it waits for "go"
+            time.sleep(0.05)
+            completed.append(work.is_completed())
+        store.set("go", "1")
+        work.wait()
+        return dict(completed_before_peer=any(completed), value=t.tolist(),
+                    completed_after=work.is_completed())
+    store.wait(["go"])
+    dist.all_reduce(t)
+    return dict(value=t.tolist())
+
+
+def _threads_probe(rank):
+    """Start an async all-reduce and never call wait(): does it finish while this thread sleeps?"""
+    t = torch.full((1 << 16,), float(rank + 1))
+    work = dist.all_reduce(t, async_op=True)
+    deadline = time.monotonic() + 60
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the calling thread does nothing but sleep
+    done, summed = work.is_completed(), bool((t == 3.0).all())
+    work.wait()
+    return dict(completed_without_wait=done, summed_without_wait=summed)
+
+
+def _ddp_sync_probe(rank):
+    """DDP on a bias-free Linear(3, 1) with a sum loss: the gradient of a batch x is x.sum(0)."""
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(3, 1, bias=False))
+
+    def batch(r, k):
+        return torch.arange(6.0).reshape(2, 3) * (r + 1) + 10 * k
+
+    grads, ops = [], []
+    # Two plain steps: backward alone must leave the mean over ranks in .grad.
+    for k in range(2):
+        ddp.zero_grad()
+        out = ddp(batch(rank, k)).sum()
+        with _profiled() as p:
+            out.backward()
+        ops.append(dict(p.ops))
+        mean = sum(batch(r, k).sum(0) for r in range(2)) / 2
+        grads.append(torch.allclose(ddp.module.weight.grad[0], mean))
+    # Accumulation: two micro-steps under no_sync, the third outside.
+    ddp.zero_grad()
+    acc_ops = []
+    for k in range(3):
+        ctx = ddp.no_sync() if k < 2 else torch.enable_grad()
+        with ctx:
+            out = ddp(batch(rank, k)).sum()
+            with _profiled() as p:
+                out.backward()
+        acc_ops.append(dict(p.ops))
+    acc_mean = sum(batch(r, k).sum(0) for r in range(2) for k in range(3)) / 2
+    return dict(plain_ops=ops, plain_mean=grads, acc_ops=acc_ops,
+                acc_mean=torch.allclose(ddp.module.weight.grad[0], acc_mean))
+
+
+class _OpLog(TorchDispatchMode):
+    """Logs (op name, dtypes of tensor inputs, dtype of the output) of every aten/c10d op."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        self.ops.append((func.__name__, ins, getattr(first, "dtype", None)))
+        return out
+
+
+class _Bucket:
+    """The one method torch's 16-bit hooks read from a GradBucket."""
+
+    def __init__(self, buffer):
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+
+def _hook_order_probe(rank):
+    """Run torch's fp16 and bf16 hooks on a float32 bucket, logging the ops they run."""
+    out = {}
+    for name, hook in (("fp16", default_hooks.fp16_compress_hook),
+                       ("bf16", default_hooks.bf16_compress_hook)):
+        buf = torch.tensor([1.0, 3.0, 5.0])
+        with _OpLog() as log:
+            fut = hook(None, _Bucket(buf))
+        fut.wait()
+        out[name] = [op for op in log.ops if not op[0].startswith("detach")]
+    # 70000 does not fit in float16 (largest 65504) but 70000 / 2 does: casting first
+    # overflows to inf, dividing first would send 35000.
+    buf = torch.tensor([70000.0 if rank == 0 else 0.0])
+    result = default_hooks.fp16_compress_hook(None, _Bucket(buf)).wait()
+    out["overflow"] = float(result[0])
+    return out
+
+
+def _join_probe(rank):
+    """torch DDP under Join, rank 0 with 3 batches, rank 1 with 1, logging every one-element
+    all-reduce (what this rank put in, the reduce op, the tensor) and the collectives of the
+    last rank's exit from Join."""
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(4, 1))
+    flags, saved = [], dist.all_reduce
+
+    def logged(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        if tensor.numel() == 1:
+            flags.append((float(tensor.item()), str(op), tensor))
+        return saved(tensor, op, *args, **kwargs)
+
+    dist.all_reduce = logged
+    try:
+        join = Join([ddp])
+        join.__enter__()
+        for _ in range(3 if rank == 0 else 1):
+            ddp(torch.randn(2, 4)).sum().backward()
+        with _profiled() as p:
+            join.__exit__(None, None, None)
+    finally:
+        dist.all_reduce = saved
+    return dict(flags=[(put, op, float(t.item())) for put, op, t in flags], exit_ops=dict(p.ops),
+                weight=ddp.module.weight.detach().clone())
+
+
+def _probes(rank_arg=None):
+    rank = dist.get_rank()
+    return dict(order=_order_probe(rank), completion=_completion_probe(rank),
+                threads=_threads_probe(rank), ddp_sync=_ddp_sync_probe(rank),
+                hook_order=_hook_order_probe(rank), join=_join_probe(rank))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return dpcourse.run(_probes, world_size=2, backend="gloo", device="cpu", timeout=240)
+
+
+# --------------------------------------------------------------------------- lesson 06
+
+
+def test_collectives_are_matched_by_issue_order_not_by_tensor(ranks):
+    """Lesson 06 (from a hook to an all-reduce): ranks match collectives by the order they issue
+    them: rank 0's first all-reduce is summed with rank 1's first, whatever tensor each passed."""
+    assert ranks[0]["order"] == [1.0 + 20.0, 10.0 + 2.0]
+    assert ranks[1]["order"] == [21.0, 12.0]
+
+
+def test_all_reduce_is_not_complete_until_every_rank_has_issued_it(ranks):
+    """Lessons 06 and 09: a collective finishes only once every rank has joined it: rank 0's
+    async all-reduce stays incomplete while rank 1 has not issued its own, and completes with
+    the sum once it has."""
+    r0 = ranks[0]["completion"]
+    assert r0["completed_before_peer"] is False
+    assert r0["completed_after"] is True and r0["value"] == [3.0] * 4
+    assert ranks[1]["completion"]["value"] == [3.0] * 4
+
+
+def test_gloo_completes_an_async_all_reduce_on_its_own_threads(ranks):
+    """Lessons 06 and 08: over gloo an async all-reduce is processor work done by gloo's own
+    threads: it completes, sum in place, while the thread that issued it only sleeps and never
+    calls wait()."""
+    for r in ranks:
+        assert r["threads"] == dict(completed_without_wait=True, summed_without_wait=True)
+
+
+# --------------------------------------------------------------------------- lesson 07
+
+
+def test_ddp_averages_at_the_end_of_backward_and_once_after_no_sync(ranks):
+    """Lesson 07: torch DDP averages the gradients over the ranks by itself during every backward
+    run outside no_sync() (one all-reduce for its one bucket, no further call needed); backwards
+    under no_sync() issue none, and the first backward outside it all-reduces the accumulated sum
+    once."""
+    for r in ranks:
+        d = r["ddp_sync"]
+        assert d["plain_mean"] == [True, True]
+        assert [o.get("all_reduce", 0) for o in d["plain_ops"]] == [1, 1]
+        assert [o.get("all_reduce", 0) for o in d["acc_ops"]] == [0, 0, 1]
+        assert d["acc_mean"] is True
+
+
+# --------------------------------------------------------------------------- lesson 08
+
+
+def test_a_fresh_adamw_starts_its_moments_at_zero_and_its_step_at_one():
+    """Lesson 08 (resume): an AdamW built afresh holds no state; its first step counts as step 1
+    and starts both moments from zero (exp_avg = (1 - beta1) g, exp_avg_sq = (1 - beta2) g^2), so
+    it moves the weight by lr (to eps) whatever moments an earlier run had built."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.999), weight_decay=0.0)
+    assert len(opt.state) == 0
+    g = torch.tensor([0.5, 4.0])
+    p.grad = g.clone()
+    opt.step()
+    state = opt.state[p]
+    assert float(state["step"]) == 1.0
+    assert torch.allclose(state["exp_avg"], 0.1 * g)
+    assert torch.allclose(state["exp_avg_sq"], 0.001 * g * g)
+    # bias correction of step 1 undoes the (1 - beta) factors: the step is lr * sign(g)
+    assert torch.allclose(p.detach(), torch.tensor([1.0 - 0.1, -2.0 - 0.1]), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- lesson 10
+
+
+def test_join_flags_say_who_still_trains_and_the_last_joiner_is_copied(ranks):
+    """Lesson 10, section 2: under Join every step begins with one-element all-reduces to which a
+    rank still training adds 1 and a joined rank adds 0, so the joined rank learns that others
+    still train (a sum of 1); at the end the ranks agree, with a MAX all-reduce, on the last
+    rank to finish (rank 0 here puts its rank in, the other -1) and its parameters are
+    broadcast to all."""
+    longer, joined = (r["join"] for r in ranks)
+    sums = [f for f in longer["flags"] if "MAX" not in f[1]]
+    # rank 0 trained every step: it put in 1 for every flag of its three steps
+    training = sums[:-1]
+    assert training and all(put == 1.0 for put, _, _ in training)
+    # rank 1 trained one step, then shadowed: its flags after that step put in 0 and read 1
+    j_sums = [f for f in joined["flags"] if "MAX" not in f[1]]
+    first_step = len(training) // 3
+    shadow = j_sums[first_step:-1]
+    assert shadow and all(put == 0.0 and got == 1.0 for put, _, got in shadow)
+    assert all(put == 1.0 for put, _, _ in j_sums[:first_step])
+    # the final round finds nobody still training
+    assert longer["flags"][-2][::2] == joined["flags"][-2][::2] == (0.0, 0.0)
+    # agreement on the last joiner: MAX of (0, -1) = rank 0
+    assert [(p, g) for p, op, g in longer["flags"] if "MAX" in op] == [(0.0, 0.0)]
+    assert [(p, g) for p, op, g in joined["flags"] if "MAX" in op] == [(-1.0, 0.0)]
+    assert longer["exit_ops"].get("broadcast", 0) >= 1
+    assert torch.equal(longer["weight"], joined["weight"])
+
+
+# --------------------------------------------------------------------------- lesson 11
+
+
+def test_16_bit_hooks_cast_to_16_bits_then_divide_in_16_bits(ranks):
+    """Lesson 11, section 1: torch's fp16 and bf16 compress hooks first cast the float32 bucket
+    to float16 / bfloat16, then divide that 16-bit copy by the world size, then all-reduce it:
+    a gradient too large for float16 (70000, half of which would fit) reaches the sum as inf."""
+    for r in ranks:
+        for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+            ops = r["hook_order"][name]
+            cast = next(i for i, op in enumerate(ops) if op[2] == dtype)
+            div = next(i for i, op in enumerate(ops) if op[0].startswith("div"))
+            assert ops[cast][1] == [torch.float32]  # the cast reads the float32 bucket
+            assert cast < div and ops[div][1][0] == dtype  # the division runs in 16 bits
+            reduce = next(i for i, op in enumerate(ops) if "allreduce" in op[0])
+            assert div < reduce
+        assert r["hook_order"]["overflow"] == float("inf")
