@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dpcourse
-from test_torch_facts import _profiled
+from test_torch_facts import _profiled, _recording
 
 
 # --------------------------------------------------------------------------- probes (in the ranks)
@@ -168,11 +168,28 @@ def _join_probe(rank):
                 weight=ddp.module.weight.detach().clone())
 
 
+def _powersgd_probe(rank):
+    """torch DDP with torch's PowerSGD hook compressing from the third step: the dtypes of the
+    all-reduces its third step issues."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(64, 64, bias=False))
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                        start_powerSGD_iter=2)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    for step in range(3):
+        with _recording("all_reduce") as calls:
+            ddp(torch.randn(4, 64)).sum().backward()
+    return calls
+
+
 def _probes(rank_arg=None):
     rank = dist.get_rank()
     return dict(order=_order_probe(rank), completion=_completion_probe(rank),
                 threads=_threads_probe(rank), ddp_sync=_ddp_sync_probe(rank),
-                hook_order=_hook_order_probe(rank), join=_join_probe(rank))
+                hook_order=_hook_order_probe(rank), join=_join_probe(rank),
+                powersgd=_powersgd_probe(rank))
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +291,25 @@ def test_join_flags_say_who_still_trains_and_the_last_joiner_is_copied(ranks):
     assert torch.equal(longer["weight"], joined["weight"])
 
 
+def test_batchnorm_statistics_are_buffers_and_training_uses_the_batchs_own():
+    """Lesson 10, section 3: BatchNorm's running mean and variance are buffers, not parameters,
+    and take no gradient; in training mode it normalises with the statistics of the batch it
+    is given (biased variance) and updates the running averages, which evaluation mode uses."""
+    norm = torch.nn.BatchNorm1d(3)
+    assert [n for n, _ in norm.named_parameters()] == ["weight", "bias"]
+    assert [n for n, _ in norm.named_buffers()] == ["running_mean", "running_var",
+                                                    "num_batches_tracked"]
+    assert not any(b.requires_grad for b in norm.buffers())
+    x = torch.randn(8, 3) * 3 + 5
+    y = norm(x)
+    expected = (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + norm.eps)
+    assert torch.allclose(y, expected, atol=1e-5)
+    assert torch.allclose(norm.running_mean, 0.1 * x.mean(0), atol=1e-6)
+    norm.eval()
+    want = (x - norm.running_mean) / torch.sqrt(norm.running_var + norm.eps)
+    assert torch.allclose(norm(x), want, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- lesson 11
 
 
@@ -291,3 +327,12 @@ def test_16_bit_hooks_cast_to_16_bits_then_divide_in_16_bits(ranks):
             reduce = next(i for i, op in enumerate(ops) if "allreduce" in op[0])
             assert div < reduce
         assert r["hook_order"]["overflow"] == float("inf")
+
+
+def test_powersgd_all_reduces_its_factors_in_float32(ranks):
+    """Exercise 11: once it compresses, torch's PowerSGD hook all-reduces its low-rank factors
+    in float32 (the dtype of the float32 gradients it compresses), not in 16 bits."""
+    for r in ranks:
+        calls = r["powersgd"]
+        assert calls and {dtype for _, dtype, _ in calls} == {torch.float32}
+        assert all(numel < 64 * 64 for _, _, numel in calls)  # factors, not the full matrix
