@@ -303,20 +303,24 @@ def test_all_gather_object_pads_every_piece_to_the_longest(ranks):
 # =================================================================== lesson 03
 
 
-def _first_orders(runs=2):
-    """The first shuffled epoch of an unseeded DataLoader, in `runs` fresh Python processes."""
-    code = ("import torch; from torch.utils.data import DataLoader; "
+def _first_orders(seed_line="", runs=2):
+    """The first shuffled epoch of a DataLoader with no generator, in `runs` fresh processes."""
+    code = (f"import torch; from torch.utils.data import DataLoader; {seed_line}"
             "print(next(iter(DataLoader(list(range(64)), batch_size=64, shuffle=True))).tolist())")
     return [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            check=True).stdout for _ in range(runs)]
 
 
-def test_unseeded_shuffle_differs_between_processes():
+def test_shuffle_without_generator_follows_each_process_global_seed():
     """Lesson 03, "The bug every first data-parallel script has": a DataLoader with
-    shuffle=True and no seed draws its own order in every fresh process."""
+    shuffle=True and no generator draws its own order in every fresh process, unless the script
+    calls torch.manual_seed with the same seed in every process: then every process reads the
+    same order."""
     first, second = _first_orders()
     assert sorted(eval(first)) == list(range(64))
     assert first != second
+    seeded = _first_orders("torch.manual_seed(0); ")
+    assert seeded[0] == seeded[1] and sorted(eval(seeded[0])) == list(range(64))
 
 
 def test_distributed_sampler_takes_every_nth_index_starting_at_its_rank():
