@@ -7,6 +7,7 @@ the ranks. Each docstring states the fact and names the text that relies on it.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -14,7 +15,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -127,3 +130,152 @@ def test_reduce_scatter_tensor_gives_rank_r_the_rth_equal_chunk_of_a_padded_tens
     total = torch.arange(1.0, n + 1) * 3          # ranks contribute 1x and 2x
     assert torch.equal(outs[0], total[:3])
     assert torch.equal(outs[1], torch.cat([total[3:], torch.zeros(1)]))
+
+
+# --------------------------------------------------------------------------- exercises 14 and 16
+
+
+def test_a_hook_on_a_modules_output_runs_before_that_modules_backward():
+    """Exercise 14 (and lesson 14's wrapper): a hook registered on a module's output with
+    Tensor.register_hook runs once the output's gradient is known, after the backward of the
+    layers that used the output and before the module's own parameters get their gradients."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    order = []
+    for name, layer in (("first", first), ("second", second)):
+        layer.weight.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+    hidden = first(torch.randn(2, 4))
+    hidden.register_hook(lambda g: order.append("first's output"))
+    second(hidden).sum().backward()
+    assert order == ["second", "first's output", "first"], order
+
+
+def test_clip_grad_norm_scales_by_max_norm_over_norm_plus_1e_6_capped_at_1():
+    """Exercise 16: clip_grad_norm_ returns the total 2-norm of all gradients together (or the
+    largest absolute value for inf) and multiplies every gradient in place by
+    min(1, max_norm / (total_norm + 1e-6)). Gradients of about 1e-6 make the 1e-6 visible."""
+    grads = [torch.tensor([3e-6, 4e-6]), torch.tensor([12e-6])]    # total 2-norm 13e-6
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+
+    def clip(max_norm, norm_type=2.0):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    total = clip(1e-6)
+    assert total.item() == pytest.approx(13e-6, rel=1e-6)
+    factor = 1e-6 / (13e-6 + 1e-6)                  # 1/14, where max_norm / total is 1/13
+    for p, g in zip(params, grads):
+        assert torch.allclose(p.grad, g * factor, rtol=1e-5, atol=0)
+    assert clip(1.0).item() == pytest.approx(13e-6, rel=1e-6)       # below max_norm:
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))  # factor capped at 1
+    assert clip(1.0, norm_type=math.inf).item() == pytest.approx(12e-6, rel=1e-6)
+
+
+def _dtensor_grad_norms():
+    """clip_grad_norm_'s total norm of ones(3) on each rank, placed Replicate() and Shard(0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    norms = {}
+    for placement in (Replicate(), Shard(0)):
+        p = torch.nn.Parameter(DTensor.from_local(torch.zeros(3), mesh, [placement]))
+        p.grad = DTensor.from_local(torch.ones(3), mesh, [placement])
+        total = torch.nn.utils.clip_grad_norm_([p], max_norm=100.0)
+        norms[type(placement).__name__] = (type(total).__name__, total.full_tensor().item())
+    return norms
+
+
+def test_clip_grad_norm_of_dtensors_sums_over_shard_placements_not_replicate():
+    """Exercise 16's answer: on DTensor gradients clip_grad_norm_ reduces over the mesh dimensions
+    the gradient is sharded on and not over those it is replicated on: ones(3) on each of 2 ranks
+    has total norm sqrt(6) placed Shard(0) (one tensor of 6 ones), sqrt(3) placed Replicate()."""
+    for norms in dpcourse.run(_dtensor_grad_norms, world_size=2, backend="gloo", device="cpu",
+                              timeout=120):
+        assert norms["Shard"] == ("DTensor", pytest.approx(math.sqrt(6), rel=1e-6)), norms
+        assert norms["Replicate"] == ("DTensor", pytest.approx(math.sqrt(3), rel=1e-6)), norms
+
+
+# --------------------------------------------------------------------------- docs/benchmarks.md
+
+
+def _recv_into_ones():
+    """Rank 0 sends 2s; rank 1 receives them into a tensor of ones."""
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.send(torch.full((4,), 2.0), dst=1)
+    else:
+        dist.recv(t, src=0)
+    return t
+
+
+def test_recv_overwrites_its_buffer_and_adds_nothing():
+    """docs/benchmarks.md, the ring against NCCL: dist.recv writes what arrives over its buffer;
+    it does not add into it, so a ring built on send/recv adds in a separate operation."""
+    _, received = dpcourse.run(_recv_into_ones, world_size=2, backend="gloo", device="cpu",
+                               timeout=120)
+    assert torch.equal(received, torch.full((4,), 2.0))      # not 1 + 2
+
+
+def _ddp_python_hooks():
+    """Hooks torch DDP leaves on its parameters that Python can see, and the gradients it averages."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 2))
+    hooks = [(p._backward_hooks, p._post_accumulate_grad_hooks) for p in model.parameters()]
+    x = torch.full((3, 4), float(dist.get_rank() + 1))      # different data on each rank
+    model(x).sum().backward()
+    return hooks, [p.grad.clone() for p in model.parameters()]
+
+
+def test_torch_ddp_averages_gradients_without_a_python_hook_on_its_parameters():
+    """docs/benchmarks.md, our wrapper against torch DDP: torch DDP registers no Python tensor hook
+    and no post-accumulate-grad hook on its parameters, yet
+    backward leaves every rank the average of the ranks' gradients."""
+    (hooks0, grads0), (hooks1, grads1) = dpcourse.run(_ddp_python_hooks, world_size=2,
+                                                      backend="gloo", device="cpu", timeout=120)
+    for backward_hooks, post_hooks in hooks0 + hooks1:
+        assert not backward_hooks and not post_hooks, (backward_hooks, post_hooks)
+    weight_grad = torch.full((2, 4), 3 * (1.0 + 2.0) / 2)    # rows of 1s and 2s, 3 each, averaged
+    assert torch.equal(grads0[0], weight_grad) and torch.equal(grads1[0], weight_grad)
+    assert torch.equal(grads0[1], torch.full((2,), 3.0))
+
+
+# --------------------------------------------------------------------------- docs/mistakes.md, torch DDP
+
+
+def _torch_ddp_on_different_models(kind):
+    """Wrap a model that differs between the ranks in torch DDP; the error this rank gets."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    if kind == "shapes":
+        model = torch.nn.Linear(4, 3 if rank == 0 else 5)
+    else:  # "count": 2 layers (4 parameters) on rank 0, 3 layers (6) on rank 1
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 + rank)])
+    # a group with a short timeout: the rank that passes the check then waits for its peer
+    # in the parameters' broadcast, and gives up after 5 s instead of the default 30 minutes
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=5))
+    try:
+        DDP(model, process_group=group)
+    except RuntimeError as err:
+        return str(err)
+    return "wrapped"
+
+
+def test_torch_ddp_refuses_different_models_with_these_messages():
+    """docs/mistakes.md, "The data-parallel wrappers": torch DDP refuses models that differ between
+    the ranks at construction, with the messages quoted there: for a shape, rank 1 says
+    "[1]: params[0] in this process with sizes [5, 4] appears not to match sizes of the same param
+    in process 0."; for a count, "DDP expects same model across all ranks, but Rank 1 has 6
+    params, while rank 0 has inconsistent 4 params."."""
+    shapes = dpcourse.run(_torch_ddp_on_different_models, "shapes", world_size=2, backend="gloo",
+                          device="cpu", timeout=120)
+    assert ("[1]: params[0] in this process with sizes [5, 4] appears not to match sizes of the"
+            " same param in process 0.") in shapes[1], shapes
+    count = dpcourse.run(_torch_ddp_on_different_models, "count", world_size=2, backend="gloo",
+                         device="cpu", timeout=120)
+    assert any("DDP expects same model across all ranks, but Rank 1 has 6 params, while rank 0 "
+               "has inconsistent 4 params." in msg for msg in count), count
