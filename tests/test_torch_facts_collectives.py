@@ -391,3 +391,33 @@ def test_small_first_bucket_only_with_the_default_cap(ranks):
         assert sizes["cap25"] == [10 * 256 * 256 * 4]
         assert len(sizes["default"]) == 2 and sum(sizes["default"]) == 10 * 256 * 256 * 4
         assert MiB <= sizes["default"][0] < MiB + 256 * 256 * 4  # closes once past 1 MiB
+
+
+def _new_group_on_rank_0_only():
+    """Rank 0 alone creates the group {0}; then both ranks create {0, 1} and all-reduce on it."""
+    if dist.get_rank() == 0:
+        dist.new_group([0])  # rank 1, not a member, skips this new_group call
+    pair = dist.new_group([0, 1])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=pair)
+    return t.item()
+
+
+def _new_group_on_every_rank():
+    dist.new_group([0])  # every rank calls it, members or not
+    pair = dist.new_group([0, 1])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=pair)
+    return t.item()
+
+
+def test_new_group_must_be_called_by_every_rank_members_or_not():
+    """Lesson 04, "Run it, check it, count its bytes" (the comments on ``dist.new_group``): every
+    rank of the world must call new_group, members or not: when rank 1 skips the creation of the
+    group {0}, both ranks wait forever in the creation of the next group, {0, 1}; when both call
+    it, the all-reduce on {0, 1} gives 2."""
+    assert dpcourse.run(_new_group_on_every_rank, world_size=2, backend="gloo", device="cpu") == [2.0, 2.0]
+    with pytest.raises(dpcourse.RankTimeoutError) as caught:
+        dpcourse.run(_new_group_on_rank_0_only, world_size=2, backend="gloo", device="cpu", timeout=10)
+    assert caught.value.waiting == [0, 1]
+    assert all("new_group" in caught.value.stacks[rank] for rank in (0, 1))
