@@ -762,9 +762,10 @@ def test_default_reduction_is_the_mean_over_ranks(ranks):
 
 
 def test_16_bit_hooks_send_16_bits_and_return_fp32(ranks):
-    """Lesson 11, sections 1 and 2: torch's fp16_compress_hook and bf16_compress_hook divide the
-    bucket by the world size, cast it to float16 / bfloat16 and all-reduce that (2 bytes per
-    element on the wire); the gradients come back as float32 holding the 16-bit sum."""
+    """Lesson 11, sections 1 and 2: torch's fp16_compress_hook and bf16_compress_hook all-reduce
+    the bucket as float16 / bfloat16 (2 bytes per element on the wire); the gradients come back
+    as float32 holding the 16-bit sum. (The hooks cast before they divide by the world size:
+    tests/test_torch_facts_reducer.py::test_16_bit_hooks_cast_to_16_bits_then_divide_in_16_bits.)"""
     for r in _by_rank(ranks, "hooks"):
         for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
             h = r[name]
