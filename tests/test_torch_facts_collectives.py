@@ -289,6 +289,20 @@ def test_gloo_all_reduce_of_different_sizes_does_not_fail_on_every_rank():
     assert len(caught.value.waiting) == 1
 
 
+def _all_gather_of_different_sizes():
+    n = 3 + dist.get_rank()  # 3 elements on rank 0, 4 on rank 1
+    outs = [torch.zeros(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(outs, torch.ones(n))
+    return [o.tolist() for o in outs]
+
+
+def test_gloo_all_gather_needs_one_size_on_every_rank():
+    """Exercise 02: dist.all_gather wants tensors of one size on every rank: with 3 elements on
+    rank 0 and 4 on rank 1 it does not complete over gloo (a rank is aborted or left waiting)."""
+    with pytest.raises((dpcourse.RankDiedError, dpcourse.RankTimeoutError)):
+        dpcourse.run(_all_gather_of_different_sizes, world_size=2, backend="gloo", device="cpu", timeout=10)
+
+
 def test_all_gather_object_pads_every_piece_to_the_longest(ranks):
     """Exercise 02, after the check: torch's all_gather_object first all-gathers the pieces'
     sizes, then pads every pickled piece to the longest for one all_gather, and trims."""
