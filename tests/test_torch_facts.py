@@ -1105,7 +1105,11 @@ def _default_and_25():
 
 
 def test_ddp_default_bucket_cap_is_25_mib():
-    """L05 c0: torch DDP's default buckets are those of bucket_cap_mb=25 (and not of another cap)."""
+    """L04, L05 c0, L11: torch DDP's default cap is 25 MiB. Every gradient here (3 MiB) is larger
+    than the small first bucket the default adds (about 1 MiB,
+    tests/test_torch_facts_collectives.py::test_small_first_bucket_only_with_the_default_cap),
+    so with these gradients the default's buckets are those of bucket_cap_mb=25, and not those
+    of a 5 MiB cap."""
     default, cap25 = _on_two_cpu_ranks(_default_and_25)[0]
     assert default == cap25
     assert len(default) >= 2 and max(default) >= 25 * 2**20          # a bucket closes past 25 MiB
