@@ -1079,11 +1079,11 @@ def _on_two_cpu_ranks(fn, *args):
     return dpcourse.run(fn, *args, world_size=2, device="cpu")
 
 
-def _bucket_sizes(cap_kwargs):
-    """Bytes of every bucket torch DDP all-reduces in one step, read from a comm hook."""
+def ddp_bucket_sizes(cap_kwargs, width: int = 887) -> list[int]:
+    """Bytes of every bucket torch DDP all-reduces in its second step, in the order it hands
+    them to a comm hook; the model is ten bias-free ``Linear(width, width)`` layers."""
     torch.manual_seed(0)
-    # Ten 3 MiB tensors: 30 MiB of gradients, so a 25 MiB cap shows in the bucket sizes.
-    model = torch.nn.Sequential(*[torch.nn.Linear(887, 887, bias=False) for _ in range(10)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(10)])
     ddp = DDP(model, **cap_kwargs)
     sizes = []
 
@@ -1096,8 +1096,13 @@ def _bucket_sizes(cap_kwargs):
     ddp.register_comm_hook(None, hook)
     for _ in range(2):  # the second step runs on the buckets DDP rebuilds after the first
         sizes.clear()
-        ddp(torch.randn(2, 887)).sum().backward()
-    return sorted(sizes)
+        ddp(torch.randn(2, width)).sum().backward()
+    return sizes
+
+
+def _bucket_sizes(cap_kwargs):
+    # Ten 3 MiB tensors: 30 MiB of gradients, so a 25 MiB cap shows in the bucket sizes.
+    return sorted(ddp_bucket_sizes(cap_kwargs))
 
 
 def _default_and_25():

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 import dpcourse
+from test_torch_facts import ddp_bucket_sizes
 
 MiB = 2**20
 
@@ -120,29 +121,10 @@ def _probe_all_gather_object():
                 pickled=[len(pickle.dumps(list(range(n)))) for n in (1000, 10)])
 
 
-def _bucket_sizes(kwargs):
-    """Bytes of every bucket torch DDP all-reduces in its second step, read from a comm hook."""
-    torch.manual_seed(0)
-    # ten 256 KiB gradients, 2.5 MiB in all: far below a 25 MiB cap, above 1 MiB
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(10)])
-    ddp = DDP(model, **kwargs)
-    sizes = []
-
-    def hook(state, bucket):
-        sizes.append(bucket.buffer().numel() * bucket.buffer().element_size())
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
-    ddp.register_comm_hook(None, hook)
-    for _ in range(2):  # the second step runs on the buckets DDP rebuilds after the first
-        sizes.clear()
-        ddp(torch.randn(2, 256)).sum().backward()
-    return sizes
-
-
 def _probe_first_bucket():
-    return dict(default=_bucket_sizes({}), cap25=_bucket_sizes({"bucket_cap_mb": 25}))
+    # ten 256 KiB gradients, 2.5 MiB in all: far below a 25 MiB cap, above 1 MiB
+    return dict(default=ddp_bucket_sizes({}, width=256),
+                cap25=ddp_bucket_sizes({"bucket_cap_mb": 25}, width=256))
 
 
 def _probe_all():
