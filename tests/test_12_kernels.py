@@ -224,7 +224,13 @@ def test_kernels_match_nccl_all_reduce():
 
 
 def back_to_back(calls: int) -> list:
-    """``calls`` calls per kernel and dtype, inputs changing every call, no host sync."""
+    """``calls`` calls per kernel and dtype, inputs changing every call, no host sync.
+
+    ``two_shot_symm`` reduces a tensor in symmetric memory in place, through its own
+    launch plan after the first call.
+    """
+    from dpcourse.comm.kernels import symmetric_empty
+
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", rank)
     out = []
@@ -234,9 +240,10 @@ def back_to_back(calls: int) -> list:
             base = torch.randint(-8, 9, (n,), generator=g).to(dtype).to(dev)
             ref = base.clone()
             dist.all_reduce(ref)
-            for name, fn in KERNELS.items():
+            for name, fn in {**KERNELS, "two_shot_symm": two_shot_all_reduce}.items():
                 sums = torch.empty(calls, dtype=torch.float64, device=dev)
-                x = torch.empty_like(base)
+                x = (symmetric_empty(n, dtype=dtype) if name == "two_shot_symm"
+                     else torch.empty_like(base))
                 for i in range(calls):
                     torch.add(base, i % 16, out=x)
                     fn(x)
@@ -287,15 +294,16 @@ def zero_copy() -> list:
     rank = dist.get_rank()
     out = []
     for n in (5, 4097, 1 << 20):
-        t = symmetric_empty(n, dtype=torch.float32)
-        t.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1))
-        ref = t.clone()
-        dist.all_reduce(ref)
-        for _ in range(3):
-            two_shot_all_reduce(t)
-            ref2 = ref.clone()
-            torch.testing.assert_close(t, ref2)
-            t.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1))
+        # Two symmetric tensors of one size, reduced in turn: each call after the first of a
+        # tensor takes its own launch plan, which must launch on that tensor and no other.
+        pair = [symmetric_empty(n, dtype=torch.float32) for _ in range(2)]
+        for call in range(3):
+            for k, t in enumerate(pair):
+                t.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1) * (k + 1 + call))
+                ref = t.clone()
+                dist.all_reduce(ref)
+                two_shot_all_reduce(t)
+                torch.testing.assert_close(t, ref)
         out.append(n)
     return out
 

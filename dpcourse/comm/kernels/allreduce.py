@@ -28,7 +28,7 @@ import torch.distributed as dist
 from dpcourse.comm.kernels.schedule import grid_size
 from dpcourse.comm.kernels.workspace import (Workspace, cache_key, get_workspace,
                                              in_symmetric_memory, is_current,
-                                             symmetric_workspace_of)
+                                             symmetric_allocation, symmetric_workspace_of)
 from dpcourse.comm.sharding import chunk_size
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -93,17 +93,24 @@ class _Plan:
     """A repeated call's launch, bound once: only the tensor and the workspace half change.
 
     Made after the first call of a shape (kernel, dtype, length, device,
-    group, grid cap, alignment): a later call of that shape skips the argument
-    checks, the workspace lookup and the launch arithmetic, which on a small
-    message cost the host about as long as the kernel takes on the GPU. Valid
-    while its workspace is the group's current one (a larger call replaces it).
+    group, grid cap, alignment; for a tensor in symmetric memory, the tensor
+    itself): a later call of that shape skips the argument checks, the
+    workspace lookup and the launch arithmetic, which on a small message cost
+    the host about as long as the kernel takes on the GPU. Valid while its
+    workspace is the group's current one (a larger call replaces it), or, for
+    a symmetric tensor, while the tensor's allocation is alive.
     """
 
     __slots__ = ("group", "ws", "ws_key", "launch", "halves", "rest")
 
-    def __init__(self, flat: torch.Tensor, group, ws: Workspace, launch, rest: tuple):
+    def __init__(self, flat: torch.Tensor, group, ws: Workspace, launch, rest: tuple,
+                 resident: bool = False):
         # The group is held so that its id, part of the key, is never reused by another.
         self.group, self.ws, self.launch, self.rest = group, ws, launch, rest
+        self.ws_key: tuple = ()
+        self.halves: tuple[torch.Tensor, ...] = ()
+        if resident:  # the tensor is its own buffer: the key names it, no halves
+            return
         self.ws_key = cache_key(group, flat.device.index)
         half_len = (ws.nbytes // 2) // flat.element_size()
         self.halves = tuple(ws.view(flat.dtype, flat.numel(), offset=h * half_len)
@@ -113,7 +120,14 @@ class _Plan:
         """Launch on ``tensor`` if it fits this plan exactly; return whether it ran."""
         ws = self.ws
         if (op is not dist.ReduceOp.SUM or type(tensor) is not torch.Tensor or tensor.dim() != 1
-                or not tensor.is_contiguous() or not is_current(ws, self.ws_key)):
+                or not tensor.is_contiguous()):
+            return False
+        if not self.halves:  # resident: the same allocation, still alive
+            if symmetric_allocation(tensor) is not ws:  # freed, or another allocation
+                return False
+            self.launch(tensor, tensor, *self.rest)
+            return True
+        if not is_current(ws, self.ws_key):
             return False
         self.launch(tensor, self.halves[ws.calls % 2], *self.rest)
         ws.calls += 1
@@ -126,8 +140,10 @@ _PLANS: dict = {}
 def _plan_key(kind: str, tensor, group, max_blocks: int, kernel) -> tuple | None:
     if type(tensor) is not torch.Tensor:
         return None  # the checks explain what is wrong
-    return (kind, tensor.dtype, tensor.numel(), tensor.get_device(), tensor.data_ptr() % 16,
-            id(group), max_blocks, kernel)
+    # A symmetric tensor's plan is its own (its address); others share one per alignment.
+    where = tensor.data_ptr() if kind == "two_shot_symm" else tensor.data_ptr() % 16
+    return (kind, tensor.dtype, tensor.numel(), tensor.get_device(), where, id(group),
+            max_blocks, kernel)
 
 
 def _run_plan(kind: str, tensor, group, op, max_blocks: int, kernel) -> bool:
@@ -137,7 +153,7 @@ def _run_plan(kind: str, tensor, group, op, max_blocks: int, kernel) -> bool:
 
 
 def _remember(kind: str, flat: torch.Tensor, group, max_blocks: int, kernel, ws: Workspace,
-              launch, rest: tuple) -> None:
+              launch, rest: tuple, resident: bool = False) -> None:
     """Keep a :class:`_Plan` for calls shaped like this one (``rest``: the launch's other args).
 
     ``flat`` is the caller's own tensor: a plan launches on the tensor it is given, so
@@ -145,7 +161,8 @@ def _remember(kind: str, flat: torch.Tensor, group, max_blocks: int, kernel, ws:
     """
     if len(_PLANS) >= 256:  # bounded: a few bucket sizes per model in practice
         _PLANS.clear()
-    _PLANS[_plan_key(kind, flat, group, max_blocks, kernel)] = _Plan(flat, group, ws, launch, rest)
+    _PLANS[_plan_key(kind, flat, group, max_blocks, kernel)] = _Plan(flat, group, ws, launch, rest,
+                                                                     resident)
 
 
 def block_elems(dtype: torch.dtype) -> int:
@@ -196,9 +213,10 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         kernel: a Triton kernel with the parameters of ``two_shot_kernel`` to launch instead
             (the exercise's); ``None`` launches ours.
     """
-    if (type(tensor) is torch.Tensor and not in_symmetric_memory(tensor)
-            and _run_plan("two_shot", tensor, group, op, max_blocks, kernel)):
-        return
+    if type(tensor) is torch.Tensor:
+        kind = "two_shot_symm" if in_symmetric_memory(tensor) else "two_shot"
+        if _run_plan(kind, tensor, group, op, max_blocks, kernel):
+            return
     flat = _prepare(tensor, op)
     if flat is None:
         return
@@ -221,7 +239,7 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     launch = _kernels().launch_two_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
                                         length, ws.rank, ws.world_size, grid, block, NUM_WARPS,
                                         copy, kernel)
-    if copy and flat is tensor:  # a resident tensor is its own buffer: no workspace halves
-        _remember("two_shot", flat, group, max_blocks, kernel, ws, launch,
-                  (ws.deltas(element), ws.pad, ws.pad_deltas, n, length, ws.rank, ws.world_size,
-                   block, True))
+    if flat is tensor:  # a resident tensor is its own buffer: no workspace halves
+        _remember("two_shot" if copy else "two_shot_symm", flat, group, max_blocks, kernel, ws,
+                  launch, (ws.deltas(element), ws.pad, ws.pad_deltas, n, length, ws.rank,
+                           ws.world_size, block, copy), resident=not copy)

@@ -202,9 +202,14 @@ def symmetric_empty(numel: int, dtype: torch.dtype = torch.float32, group=None) 
     return tensor
 
 
+def symmetric_allocation(tensor: torch.Tensor) -> Workspace | None:
+    """Return the workspace ``tensor`` starts when it came from :func:`symmetric_empty` (any group)."""
+    return _SYMMETRIC.get(tensor.data_ptr())
+
+
 def symmetric_workspace_of(tensor: torch.Tensor, group) -> Workspace | None:
     """Return the workspace ``tensor`` lives in when it came from :func:`symmetric_empty`."""
-    ws = _SYMMETRIC.get(tensor.data_ptr())
+    ws = symmetric_allocation(tensor)
     if ws is None:
         return None
     pg = process_group(group)
