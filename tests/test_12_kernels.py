@@ -365,10 +365,27 @@ def test_learner_kernel_travels_as_source_and_knows_a_stub():
     assert stub.is_stub()
 
 
+def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, quiet: bool = False) -> dict:
+    """Run ``check("nvlink_kernels", ...)``; return ``{"skipped", "message", "results"}``.
+
+    ``results`` is ``{kind: {criterion: passed}}`` for each kernel given, empty when skipped.
+    """
+    from dpcourse.grading.checks.ex12_nvlink_kernels import NvlinkKernels
+    from dpcourse.grading.runner import check
+
+    extras = {"two_shot": two_shot_kernel} if two_shot_kernel is not None else {}
+    result = check("nvlink_kernels", one_shot_kernel, quiet=quiet, **extras)
+    if result.not_graded:  # nothing ran: no criterion has a verdict
+        return {"skipped": True, "message": result.not_graded, "results": {}}
+    return {"skipped": False, "message": "",
+            "results": {kind: {c.name.removeprefix(f"{kind}_"): result.criterion(c.name).passed
+                               for c in NvlinkKernels.criteria if c.name.startswith(kind)}
+                        for kind in ("one_shot", *extras)}}
+
+
 @pytest.mark.skipif(GPUS >= 2, reason="checks the message shown on machines without 2 GPUs")
 def test_exercise_check_skips_with_a_message_without_gpus(capsys):
     from dpcourse.comm.kernels.exercise import LearnerKernel
-    from dpcourse.grading.checks.ex12_nvlink_kernels import check_nvlink_kernels
 
     k = LearnerKernel("one_shot_kernel", "def one_shot_kernel(x):\n    pass\n")
     report = check_nvlink_kernels(k)
@@ -400,8 +417,6 @@ def _solution_kernels():
 
 @pytest.mark.gpu(2)
 def test_exercise_check_passes_the_solution_kernels():
-    from dpcourse.grading.checks.ex12_nvlink_kernels import check_nvlink_kernels
-
     solution12 = _solution_kernels()
     report = check_nvlink_kernels(solution12.one_shot_kernel, solution12.two_shot_kernel,
                                   quiet=True)

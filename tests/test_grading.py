@@ -610,8 +610,29 @@ def test_stub_keeps_signature_and_docstring_and_numbers_regions():
             make_exercises.stub_source(broken, "01", 1)
 
 
+def _relay_replies(op: str, inputs: list, **extra) -> list:
+    """What the grader's relay sends back to each rank for one collective ``op`` of ``inputs``."""
+    from dpcourse.grading import wire
+    from dpcourse.grading.relay import MessageRelay, Round
+
+    class Sock:  # the grader's end of a rank's socket: keeps what the relay sends
+        def __init__(self):
+            self.data = b""
+
+        def sendall(self, data):
+            self.data += data
+
+    n = len(inputs)
+    socks = [Sock() for _ in range(n)]
+    relay = MessageRelay(socks, Round(n, events=[[] for _ in range(n)]), stack=None,
+                         allowed={op})
+    for rank, x in enumerate(inputs):
+        assert relay.handle(rank, {"t": "coll", "op": op, "id": 1, **extra}, [x.clone()]) is None
+    return [wire.Reader().feed(sock.data)[0][1][0] for sock in socks]
+
+
 def test_oracles_agree_with_torch_collectives_ddp_and_the_reference_bucket_rule():
-    """The grader's independent answers are what torch and the course's reference compute."""
+    """The grader's independent answers, and the relay's collectives, are what torch computes."""
     import dpcourse
     from dpcourse.ddp import assign_buckets
     from dpcourse.grading import oracles
@@ -625,10 +646,13 @@ def test_oracles_agree_with_torch_collectives_ddp_and_the_reference_bucket_rule(
         assert oracles.buckets(nbytes, cap) == assign_buckets(params, cap)
     got = dpcourse.run(_torch_truth, world_size=3, timeout=120)
     inputs = [torch.arange(6.0) + 10 * r for r in range(3)]
-    for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
-        want = oracles.collective(op, inputs)
+    for op, relay_op, extra in (("all_reduce", "all_reduce", {"reduce": "sum"}),
+                                ("reduce_scatter", "reduce_scatter_tensor", {}),
+                                ("all_gather", "all_gather_into_tensor", {}),
+                                ("broadcast", "broadcast", {"src": 0})):
+        replies = _relay_replies(relay_op, inputs, **extra)
         for r in range(3):
-            assert torch.equal(got[r][op], want[r]), (op, r)
+            assert torch.equal(got[r][op], replies[r]), (op, r)
     from dpcourse.grading.checks import ddp_common as d
 
     batches = [[[(x, y)] for x, y in step] for step in got[0]["batches"]]

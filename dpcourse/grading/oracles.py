@@ -3,7 +3,8 @@
 Each function here restates, from its definition, what an exercise must
 compute, without importing ``dpcourse.comm``, ``dpcourse.ddp`` or
 ``dpcourse.costmodel``: a bug in the reference cannot hide the same bug in a
-learner's code, and tests compare these with torch (collectives, torch DDP).
+learner's code, and tests compare these with torch (torch DDP) and with the
+reference (the bucket rule).
 
 Only the grader's own process imports this module. Graded ranks cannot
 (``dpcourse.grading.rank`` blocks it), and nothing here is sent to them.
@@ -15,22 +16,6 @@ import torch
 from torch import nn
 
 MIB = 2**20
-
-
-# -- lesson 02: what collectives leave on each rank ----------------------------------------
-def collective(op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What ``dist.<op>`` leaves on each rank (sum; broadcast from rank 0; 1-D inputs)."""
-    n, total = len(inputs), all_reduce_sum(inputs)
-    if op == "all_reduce":
-        return [total.clone() for _ in range(n)]
-    if op == "reduce_scatter":
-        k = total.numel() // n
-        return [total[r * k:(r + 1) * k].clone() for r in range(n)]
-    if op == "all_gather":
-        return [torch.cat(inputs) for _ in range(n)]
-    if op == "broadcast":
-        return [inputs[0].clone() for _ in range(n)]
-    raise ValueError(op)
 
 
 # -- lesson 04: the ring's chunks and its result ---------------------------------------------

@@ -282,20 +282,3 @@ def _judge_pulls(ws: int, inputs: dict, ranks: list) -> list[CaseVerdict]:
         recs.append(CaseVerdict("two_shot_pulls_the_sums", not why, why, case))
     return recs
 
-
-def check_nvlink_kernels(one_shot_kernel, two_shot_kernel=None, *, quiet: bool = False) -> dict:
-    """Run ``check("nvlink_kernels", ...)``; return ``{"skipped", "message", "results"}``.
-
-    ``results`` is ``{kind: {criterion: passed}}`` for each kernel given, empty when skipped;
-    two-shot's criteria include ``pulls_the_sums``.
-    """
-    from dpcourse.grading.runner import check
-
-    extras = {"two_shot": two_shot_kernel} if two_shot_kernel is not None else {}
-    result = check("nvlink_kernels", one_shot_kernel, quiet=quiet, **extras)
-    if result.not_graded:  # nothing ran: no criterion has a verdict
-        return {"skipped": True, "message": result.not_graded, "results": {}}
-    return {"skipped": False, "message": "",
-            "results": {kind: {c.name.removeprefix(f"{kind}_"): result.criterion(c.name).passed
-                               for c in NvlinkKernels.criteria if c.name.startswith(kind)}
-                        for kind in ("one_shot", *extras)}}
