@@ -51,10 +51,6 @@ def _torch_buffer(numel, dtype, group):
     from dpcourse.comm.kernels.workspace import require_multicast_off
 
     require_multicast_off()
-    try:  # needed by some torch versions before their symm_mem ops run on a group
-        symm_mem.enable_symm_mem_for_group(_group_name(group))
-    except (AttributeError, RuntimeError):
-        pass
     device = torch.device("cuda", torch.cuda.current_device())
     t = symm_mem.empty(numel, dtype=dtype, device=device)
     symm_mem.rendezvous(t, process_group(group))
