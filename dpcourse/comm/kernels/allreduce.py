@@ -101,15 +101,16 @@ class _Plan:
     a symmetric tensor, while the tensor's allocation is alive.
     """
 
-    __slots__ = ("group", "ws", "ws_key", "launch", "halves", "rest")
+    __slots__ = ("group", "ws", "ws_key", "launch", "halves", "rest", "resident")
 
     def __init__(self, flat: torch.Tensor, group, ws: Workspace, launch, rest: tuple,
-                 resident: bool = False):
+                 resident: bool):
         # The group is held so that its id, part of the key, is never reused by another.
         self.group, self.ws, self.launch, self.rest = group, ws, launch, rest
+        self.resident = resident  # the tensor is its own buffer: no workspace halves
         self.ws_key: tuple = ()
         self.halves: tuple[torch.Tensor, ...] = ()
-        if resident:  # the tensor is its own buffer: the key names it, no halves
+        if resident:
             return
         self.ws_key = cache_key(group, flat.device.index)
         half_len = (ws.nbytes // 2) // flat.element_size()
@@ -122,8 +123,8 @@ class _Plan:
         if (op is not dist.ReduceOp.SUM or type(tensor) is not torch.Tensor or tensor.dim() != 1
                 or not tensor.is_contiguous()):
             return False
-        if not self.halves:  # resident: the same allocation, still alive
-            if symmetric_allocation(tensor) is not ws:  # freed, or another allocation
+        if self.resident:  # the same allocation, still alive (not freed and reused)
+            if symmetric_allocation(tensor) is not ws:
                 return False
             self.launch(tensor, tensor, *self.rest)
             return True
@@ -135,13 +136,14 @@ class _Plan:
 
 
 _PLANS: dict = {}
+RESIDENT = "two_shot_symm"  # the plan kind of two-shot on a tensor in symmetric memory
 
 
 def _plan_key(kind: str, tensor, group, max_blocks: int, kernel) -> tuple | None:
     if type(tensor) is not torch.Tensor:
         return None  # the checks explain what is wrong
     # A symmetric tensor's plan is its own (its address); others share one per alignment.
-    where = tensor.data_ptr() if kind == "two_shot_symm" else tensor.data_ptr() % 16
+    where = tensor.data_ptr() if kind == RESIDENT else tensor.data_ptr() % 16
     return (kind, tensor.dtype, tensor.numel(), tensor.get_device(), where, id(group),
             max_blocks, kernel)
 
@@ -153,7 +155,7 @@ def _run_plan(kind: str, tensor, group, op, max_blocks: int, kernel) -> bool:
 
 
 def _remember(kind: str, flat: torch.Tensor, group, max_blocks: int, kernel, ws: Workspace,
-              launch, rest: tuple, resident: bool = False) -> None:
+              launch, rest: tuple) -> None:
     """Keep a :class:`_Plan` for calls shaped like this one (``rest``: the launch's other args).
 
     ``flat`` is the caller's own tensor: a plan launches on the tensor it is given, so
@@ -162,7 +164,7 @@ def _remember(kind: str, flat: torch.Tensor, group, max_blocks: int, kernel, ws:
     if len(_PLANS) >= 256:  # bounded: a few bucket sizes per model in practice
         _PLANS.clear()
     _PLANS[_plan_key(kind, flat, group, max_blocks, kernel)] = _Plan(flat, group, ws, launch, rest,
-                                                                     resident)
+                                                                     kind == RESIDENT)
 
 
 def block_elems(dtype: torch.dtype) -> int:
@@ -214,7 +216,7 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
             (the exercise's); ``None`` launches ours.
     """
     if type(tensor) is torch.Tensor:
-        kind = "two_shot_symm" if in_symmetric_memory(tensor) else "two_shot"
+        kind = RESIDENT if in_symmetric_memory(tensor) else "two_shot"
         if _run_plan(kind, tensor, group, op, max_blocks, kernel):
             return
     flat = _prepare(tensor, op)
@@ -240,6 +242,6 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
                                         length, ws.rank, ws.world_size, grid, block, NUM_WARPS,
                                         copy, kernel)
     if flat is tensor:  # a resident tensor is its own buffer: no workspace halves
-        _remember("two_shot" if copy else "two_shot_symm", flat, group, max_blocks, kernel, ws,
-                  launch, (ws.deltas(element), ws.pad, ws.pad_deltas, n, length, ws.rank,
-                           ws.world_size, block, copy), resident=not copy)
+        _remember("two_shot" if copy else RESIDENT, flat, group, max_blocks, kernel, ws, launch,
+                  (ws.deltas(element), ws.pad, ws.pad_deltas, n, length, ws.rank, ws.world_size,
+                   block, copy))

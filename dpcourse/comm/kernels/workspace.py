@@ -148,7 +148,7 @@ def is_current(ws: Workspace, key: tuple) -> bool:
 
 def in_symmetric_memory(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` came from :func:`symmetric_empty` (two-shot reduces it in place)."""
-    return tensor.data_ptr() in _SYMMETRIC
+    return symmetric_allocation(tensor) is not None
 
 
 def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
