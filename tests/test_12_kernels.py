@@ -148,6 +148,50 @@ def test_kernels_refuse_cpu_tensors_with_a_clear_error():
         two_shot_all_reduce(torch.ones(3))
 
 
+class _FakeWorkspace:
+    """Stands in for a symmetric allocation: a plan only compares it by identity."""
+
+
+def test_a_plan_launches_only_calls_shaped_like_its_own(monkeypatch):
+    """The plan path, on the CPU: which later calls reuse a plan, and what its launcher is given.
+
+    The launch is recorded, not run; the rest of each call is the package's own code.
+    """
+    from dpcourse.comm.kernels import allreduce, workspace
+
+    launches = []
+    monkeypatch.setattr(allreduce, "_PLANS", {})
+    monkeypatch.setattr(workspace, "_SYMMETRIC", {})
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    home = workspace._SYMMETRIC[x.data_ptr()] = _FakeWorkspace()
+    deltas, pad = torch.zeros(2, dtype=torch.int64), torch.zeros(8, dtype=torch.int32)
+    allreduce._remember(allreduce.RESIDENT, x, None, allreduce.TWO_SHOT_MAX_BLOCKS, None, home,
+                        lambda *args, stream: launches.append((args, stream)),
+                        (deltas, pad, pad, 64, 32, 0, 2, 8192, False))
+
+    two_shot_all_reduce(x)
+    assert launches == [((x.data_ptr(), x.data_ptr(), deltas.data_ptr(), pad.data_ptr(),
+                          pad.data_ptr(), 64, 32, 0, 2, 8192, False), 7)], \
+        "addresses as integers, and the current stream"
+
+    # Anything that differs from the plan's call takes the full path, whose checks refuse a
+    # CPU tensor: no launch.
+    for call in (lambda: two_shot_all_reduce(x[:32]),                     # same address, shorter
+                 lambda: two_shot_all_reduce(x.view(torch.float16)),     # another dtype
+                 lambda: two_shot_all_reduce(x, op=dist.ReduceOp.MAX),   # another op
+                 lambda: two_shot_all_reduce(x, max_blocks=4),           # another grid cap
+                 lambda: one_shot_all_reduce(x)):                        # another kernel
+        with pytest.raises(ValueError):
+            call()
+    assert len(launches) == 1
+    # The allocation was freed and another took its address: the plan no longer applies.
+    workspace._SYMMETRIC[x.data_ptr()] = _FakeWorkspace()
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        two_shot_all_reduce(x)
+    assert len(launches) == 1
+
+
 def test_benchmarks_know_the_kernel_rows():
     from dpcourse.bench.allreduce import _resolve
     from dpcourse.bench.ddp import KERNEL_VARIANTS, _wrap

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dpcourse.comm.kernels.schedule import grid_size
 from dpcourse.comm.kernels.workspace import (Workspace, cache_key, get_workspace,
-                                             in_symmetric_memory, is_current,
+                                             is_current,
                                              symmetric_allocation, symmetric_workspace_of)
 from dpcourse.comm.sharding import chunk_size
 
@@ -41,17 +41,18 @@ ONE_SHOT_MAX_BLOCKS = 32  # latency-bound: a few blocks reach every peer in para
 TWO_SHOT_MAX_BLOCKS = 128
 ALIGN = 16  # elements: every rank's slice starts 16-element aligned (16-byte accesses)
 MAX_NUMEL = 2**31 - 2**24  # the kernels index with 32-bit offsets
+SUM = dist.ReduceOp.SUM  # the one op the kernels do (bound once: read on every call)
 
 
 def _check(tensor: torch.Tensor, op) -> torch.Tensor:
     """Validate the arguments; return the 1-D view to reduce."""
-    if (type(tensor) is torch.Tensor and tensor.is_cuda and op is dist.ReduceOp.SUM
+    if (type(tensor) is torch.Tensor and tensor.is_cuda and op is SUM
             and tensor.dtype in DTYPES and tensor.is_contiguous() and tensor.dim() == 1
             and tensor.numel() <= MAX_NUMEL):
         return tensor  # the common case, checked cheaply: this runs on every call
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}.")
-    if op != dist.ReduceOp.SUM:
+    if op != SUM:
         raise ValueError(f"only op=dist.ReduceOp.SUM is supported, got {op}.")
     if tensor.device.type != "cuda":
         raise ValueError(
@@ -99,38 +100,52 @@ class _Plan:
     the host about as long as the kernel takes on the GPU. Valid while its
     workspace is the group's current one (a larger call replaces it), or, for
     a symmetric tensor, while the tensor's allocation is alive.
+
+    The launcher gets addresses, not tensors, and the current stream: given a
+    tensor, Triton's launcher calls its ``data_ptr()`` and asks the CUDA driver
+    about the pointer, on every call and for every tensor argument; an integer
+    it passes on as it is. Without a stream it looks up the current device and
+    its stream itself. The workspace the plan holds keeps every address alive.
     """
 
-    __slots__ = ("group", "ws", "ws_key", "launch", "halves", "rest", "resident")
+    __slots__ = ("group", "ws", "ws_key", "launch", "halves", "rest", "resident", "device")
 
     def __init__(self, flat: torch.Tensor, group, ws: Workspace, launch, rest: tuple,
                  resident: bool):
         # The group is held so that its id, part of the key, is never reused by another.
-        self.group, self.ws, self.launch, self.rest = group, ws, launch, rest
+        self.group, self.ws, self.launch = group, ws, launch
+        self.rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in rest)
+        self.device = flat.device.index
         self.resident = resident  # the tensor is its own buffer: no workspace halves
         self.ws_key: tuple = ()
-        self.halves: tuple[torch.Tensor, ...] = ()
+        self.halves: tuple[int, ...] = ()
         if resident:
             return
         self.ws_key = cache_key(group, flat.device.index)
         half_len = (ws.nbytes // 2) // flat.element_size()
-        self.halves = tuple(ws.view(flat.dtype, flat.numel(), offset=h * half_len)
+        self.halves = tuple(ws.view(flat.dtype, flat.numel(), offset=h * half_len).data_ptr()
                             for h in (0, 1))
 
-    def __call__(self, tensor: torch.Tensor, op) -> bool:
-        """Launch on ``tensor`` if it fits this plan exactly; return whether it ran."""
+    def __call__(self, tensor: torch.Tensor, address: int, home: Workspace | None) -> bool:
+        """Launch on ``tensor`` if it fits this plan; return whether it ran.
+
+        The key already matched the tensor's type, dtype, length, device and address (or
+        alignment); ``address`` is ``tensor.data_ptr()`` and ``home`` what
+        ``symmetric_allocation(tensor)`` returned for it.
+        """
         ws = self.ws
-        if (op is not dist.ReduceOp.SUM or type(tensor) is not torch.Tensor or tensor.dim() != 1
-                or not tensor.is_contiguous()):
+        if tensor.dim() != 1 or not tensor.is_contiguous():
             return False
         if self.resident:  # the same allocation, still alive (not freed and reused)
-            if symmetric_allocation(tensor) is not ws:
+            if home is not ws:
                 return False
-            self.launch(tensor, tensor, *self.rest)
+            self.launch(address, address, *self.rest,
+                        stream=torch._C._cuda_getCurrentRawStream(self.device))
             return True
         if not is_current(ws, self.ws_key):
             return False
-        self.launch(tensor, self.halves[ws.calls % 2], *self.rest)
+        self.launch(address, self.halves[ws.calls % 2], *self.rest,
+                    stream=torch._C._cuda_getCurrentRawStream(self.device))
         ws.calls += 1
         return True
 
@@ -139,19 +154,19 @@ _PLANS: dict = {}
 RESIDENT = "two_shot_symm"  # the plan kind of two-shot on a tensor in symmetric memory
 
 
-def _plan_key(kind: str, tensor, group, max_blocks: int, kernel) -> tuple | None:
-    if type(tensor) is not torch.Tensor:
-        return None  # the checks explain what is wrong
+def _plan_key(kind: str, tensor: torch.Tensor, address: int, group, max_blocks: int,
+              kernel) -> tuple:
     # A symmetric tensor's plan is its own (its address); others share one per alignment.
-    where = tensor.data_ptr() if kind == RESIDENT else tensor.data_ptr() % 16
-    return (kind, tensor.dtype, tensor.numel(), tensor.get_device(), where, id(group),
+    where = address if kind == RESIDENT else address % 16
+    return (kind, where, tensor.numel(), tensor.dtype, tensor.get_device(), id(group),
             max_blocks, kernel)
 
 
-def _run_plan(kind: str, tensor, group, op, max_blocks: int, kernel) -> bool:
+def _run_plan(kind: str, tensor: torch.Tensor, address: int, home: Workspace | None, group,
+              max_blocks: int, kernel) -> bool:
     """Launch through the plan for this call's shape, if there is one; return whether it ran."""
-    plan = _PLANS.get(_plan_key(kind, tensor, group, max_blocks, kernel))
-    return plan is not None and plan(tensor, op)
+    plan = _PLANS.get(_plan_key(kind, tensor, address, group, max_blocks, kernel))
+    return plan is not None and plan(tensor, address, home)
 
 
 def _remember(kind: str, flat: torch.Tensor, group, max_blocks: int, kernel, ws: Workspace,
@@ -163,8 +178,8 @@ def _remember(kind: str, flat: torch.Tensor, group, max_blocks: int, kernel, ws:
     """
     if len(_PLANS) >= 256:  # bounded: a few bucket sizes per model in practice
         _PLANS.clear()
-    _PLANS[_plan_key(kind, flat, group, max_blocks, kernel)] = _Plan(flat, group, ws, launch, rest,
-                                                                     kind == RESIDENT)
+    key = _plan_key(kind, flat, flat.data_ptr(), group, max_blocks, kernel)
+    _PLANS[key] = _Plan(flat, group, ws, launch, rest, kind == RESIDENT)
 
 
 def block_elems(dtype: torch.dtype) -> int:
@@ -184,8 +199,9 @@ def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         kernel: a Triton kernel with the parameters of ``one_shot_kernel`` to launch instead
             (the exercise's); ``None`` launches ours.
     """
-    if _run_plan("one_shot", tensor, group, op, max_blocks, kernel):
-        return
+    if (type(tensor) is torch.Tensor and op is SUM
+            and _run_plan("one_shot", tensor, tensor.data_ptr(), None, group, max_blocks, kernel)):
+        return  # a call shaped like an earlier one (the full path's checks explain the rest)
     flat = _prepare(tensor, op)
     if flat is None:
         return
@@ -215,9 +231,10 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         kernel: a Triton kernel with the parameters of ``two_shot_kernel`` to launch instead
             (the exercise's); ``None`` launches ours.
     """
-    if type(tensor) is torch.Tensor:
-        kind = RESIDENT if in_symmetric_memory(tensor) else "two_shot"
-        if _run_plan(kind, tensor, group, op, max_blocks, kernel):
+    if type(tensor) is torch.Tensor and op is SUM:  # a call shaped like an earlier one?
+        home = symmetric_allocation(tensor)
+        if _run_plan("two_shot" if home is None else RESIDENT, tensor, tensor.data_ptr(), home,
+                     group, max_blocks, kernel):
             return
     flat = _prepare(tensor, op)
     if flat is None:

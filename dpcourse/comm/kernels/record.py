@@ -7,7 +7,13 @@ and PyTorch's symmetric-memory ops, at a few sizes,
 * ``host_us``: host time per call, launching back to back without waiting
   (what the CPU spends in Python, checks and the launch);
 * ``device_us``: GPU time per call, summed over the kernels the profiler saw
-  (waiting for the peer's flags included).
+  (waiting for the peer's flags included);
+
+and, for 20 calls queued back to back on a tensor in symmetric memory
+(:func:`queued_launch_paths`), the time per call to completion of our
+two-shot through :func:`two_shot_all_reduce`, of the same compiled kernel
+launched with nothing around it, of an empty kernel launched the same way,
+and of PyTorch's ``two_shot_all_reduce_``.
 
 The bandwidth sweep itself comes from ``dpcourse bench allreduce``.
 """
@@ -35,12 +41,14 @@ def _impls() -> dict:
     return {"library": lambda t, group=None: dist.all_reduce(t, group=group), **kernel_impls()}
 
 
-def bare_one_shot(x: torch.Tensor):
+def bare_one_shot(x: torch.Tensor, addresses: bool = False):
     """Return ``fn()`` that relaunches the compiled one-shot kernel on ``x`` with no Python checks.
 
     Measures what the launch itself costs: the same kernel and arguments as
     :func:`one_shot_all_reduce`, alternating the buffer halves, but no argument
-    checks, no workspace lookup and no Triton dispatch.
+    checks, no workspace lookup and no Triton dispatch. With ``addresses``
+    the launcher gets every pointer as an integer and the stream as an
+    argument, as a launch plan gives them; otherwise the tensors themselves.
     """
     from dpcourse.comm.kernels import allreduce as ar
     from dpcourse.comm.kernels import triton_allreduce as tk
@@ -51,17 +59,26 @@ def bare_one_shot(x: torch.Tensor):
     block = ar.block_elems(x.dtype)
     grid = ar.grid_size(n, block, min(ar.ONE_SHOT_MAX_BLOCKS, ws.max_blocks))
     half_len = (ws.nbytes // 2) // element
-    args = [(x, ws.view(x.dtype, n, offset=h * half_len), ws.deltas(element), ws.pad,
-             ws.pad_deltas, n, ws.rank, ws.world_size, block) for h in (0, 1)]
+    args: list[tuple] = [(x, ws.view(x.dtype, n, offset=h * half_len), ws.deltas(element),
+                          ws.pad, ws.pad_deltas, n, ws.rank, ws.world_size, block)
+                         for h in (0, 1)]
     compiled = tk.one_shot_kernel[(grid,)](*args[ws.calls % 2][:6], RANK=ws.rank,
                                            WORLD=ws.world_size, BLOCK=block,
                                            num_warps=ar.NUM_WARPS)
     ws.calls += 1
     launch = compiled[(grid, 1, 1)]
+    if addresses:
+        args = [tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in half)
+                for half in args]
+        device = x.device.index
 
-    def fn(tensor=None, group=None):
-        launch(*args[ws.calls % 2])
-        ws.calls += 1
+        def fn(tensor=None, group=None):
+            launch(*args[ws.calls % 2], stream=torch._C._cuda_getCurrentRawStream(device))
+            ws.calls += 1
+    else:
+        def fn(tensor=None, group=None):
+            launch(*args[ws.calls % 2])
+            ws.calls += 1
 
     fn()  # fails here, not in the timing loop, if the launcher wants other arguments
     torch.cuda.synchronize()
@@ -77,10 +94,12 @@ def host_and_device_times(sizes=SIZES, calls: int = 200) -> list[dict]:
     for size in sizes:
         x = torch.zeros(size // 2, dtype=torch.bfloat16, device=dev)
         impls = _impls()
-        try:
-            impls["one_shot_bare_launch"] = bare_one_shot(x)
-        except Exception as err:  # noqa: BLE001 - an experiment: record why it did not run
-            rows.append({"impl": "one_shot_bare_launch", "nbytes": size, "error": repr(err)})
+        for name, addresses in (("one_shot_bare_launch", False),
+                                ("one_shot_bare_launch_addresses", True)):
+            try:
+                impls[name] = bare_one_shot(x, addresses)
+            except Exception as err:  # noqa: BLE001 - an experiment: record why it did not run
+                rows.append({"impl": name, "nbytes": size, "error": repr(err)})
         for name, fn in impls.items():
             for _ in range(20):
                 fn(x)
@@ -104,15 +123,99 @@ def host_and_device_times(sizes=SIZES, calls: int = 200) -> list[dict]:
     return rows
 
 
+def direct_two_shot(x: torch.Tensor, kernel=None):
+    """Return ``fn()`` launching the compiled two-shot kernel (or ``kernel``) on symmetric ``x``.
+
+    The launch a plan makes (addresses as integers, the stream given), without
+    the Python of :func:`two_shot_all_reduce` around it: no plan lookup, no checks.
+    """
+    from dpcourse.comm.kernels import allreduce as ar
+    from dpcourse.comm.kernels import triton_allreduce as tk
+    from dpcourse.comm.kernels.workspace import symmetric_allocation
+
+    ws = symmetric_allocation(x)
+    if ws is None:
+        raise ValueError("direct_two_shot launches on a tensor from symmetric_empty.")
+    n = x.numel()
+    length = ar.chunk_size(n, ws.world_size, align=ar.ALIGN)
+    block = ar.block_elems(x.dtype)
+    grid = ar.grid_size(length, block, min(ar.TWO_SHOT_MAX_BLOCKS, ws.max_blocks))
+    args = (x, x, ws.deltas(x.element_size()), ws.pad, ws.pad_deltas, n, length)
+    constexprs = (ws.rank, ws.world_size, block, False)
+    compiled = (kernel or tk.two_shot_kernel)[(grid,)](
+        *args, RANK=ws.rank, WORLD=ws.world_size, BLOCK=block, COPY=False,
+        num_warps=ar.NUM_WARPS)
+    launch = compiled[(grid, 1, 1)]
+    addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    device = x.device.index
+
+    def fn(tensor=None, group=None):
+        launch(*addresses, *constexprs, stream=torch._C._cuda_getCurrentRawStream(device))
+
+    fn()  # fails here, not in the timing loop, if the launcher wants other arguments
+    torch.cuda.synchronize()
+    return fn
+
+
+def queued_launch_paths(sizes=SIZES[:2], calls: int = 20, trials: int = 15) -> list[dict]:
+    """Return one row per (path, size): time per call of ``calls`` queued calls (every rank).
+
+    Medians of ``trials`` interleaved trials: ``per_call_us`` from the first launch until
+    the GPU finished the last, ``host_us`` until the host had issued the last.
+    """
+    from dpcourse.comm.kernels import triton_allreduce as tk
+    from dpcourse.comm.kernels.allreduce import two_shot_all_reduce
+    from dpcourse.comm.kernels.bench_impls import kernel_impls
+    from dpcourse.comm.kernels.workspace import symmetric_empty
+
+    rows = []
+    for size in sizes:
+        x = symmetric_empty(size // 2, dtype=torch.bfloat16)
+        x.zero_()
+        torch_two_shot = kernel_impls()["torch_two_shot"]
+        paths = {"two_shot_all_reduce": lambda: two_shot_all_reduce(x),
+                 "two_shot_kernel_launch_only": direct_two_shot(x),
+                 "empty_kernel_launch_only": direct_two_shot(x, tk.empty_kernel),
+                 "torch_two_shot": lambda: torch_two_shot(x)}
+        for fn in paths.values():
+            for _ in range(20):
+                fn()
+        times: dict[str, list] = {name: [] for name in paths}
+        for _ in range(trials):
+            for name, fn in paths.items():
+                torch.cuda.synchronize()
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                issued = time.perf_counter()
+                torch.cuda.synchronize()
+                times[name].append(((time.perf_counter() - t0) / calls, (issued - t0) / calls))
+        for name, t in times.items():
+            rows.append({"impl": name, "nbytes": size, "calls_per_trial": calls,
+                         "per_call_us": sorted(a for a, _ in t)[trials // 2] * 1e6,
+                         "host_us": sorted(b for _, b in t)[trials // 2] * 1e6})
+        del x, paths
+        torch.cuda.synchronize()
+        dist.barrier()
+    return rows
+
+
+def _record(kind: str):
+    """Run on every rank: the per-call host and GPU times, or the queued launch paths."""
+    return host_and_device_times() if kind == "per_call" else queued_launch_paths()
+
+
 def main(out_dir: str) -> int:
     world = torch.cuda.device_count()
     env = environment("nccl", world)
-    rows = dpcourse.run(host_and_device_times, world_size=world, backend="nccl", timeout=300)
+    rows = dpcourse.run(_record, "per_call", world_size=world, backend="nccl", timeout=300)
+    queued = dpcourse.run(_record, "queued", world_size=world, backend="nccl", timeout=300)
     import triton
 
     env["triton"] = triton.__version__
     payload = {"what": "host and GPU time per all-reduce call, bf16", "environment": env,
-               "rows_per_rank": rows}
+               "rows_per_rank": rows, "queued_rows_per_rank": queued}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"lesson12-{world}x-{slug(rows[0][0]['device'])}.json")
     with open(path, "w") as f:
@@ -123,6 +226,9 @@ def main(out_dir: str) -> int:
             continue
         print(f"{r['impl']:20s} {r['nbytes']:>9d} B  host {r['host_us']:6.1f} us  "
               f"GPU {r['device_us']:7.1f} us")
+    for r in queued[0]:
+        print(f"{r['impl']:28s} {r['nbytes']:>9d} B  queued: {r['per_call_us']:6.1f} us per call, "
+              f"host {r['host_us']:6.1f} us")
     print("wrote", path)
     return 0
 

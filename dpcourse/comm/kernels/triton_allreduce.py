@@ -176,6 +176,14 @@ def two_shot_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
         copy_other_slices(buf, x, numel, slice_len, pid, step, RANK, WORLD, BLOCK)
 
 
+@triton.jit
+def empty_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
+                 RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                 COPY: tl.constexpr):
+    """Do nothing, with two-shot's parameters: what launching a kernel costs (measurements only)."""
+    pass
+
+
 # Compiled kernels ready to launch, keyed by everything Triton specialises a kernel on.
 _LAUNCHERS: dict = {}
 

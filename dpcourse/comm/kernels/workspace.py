@@ -146,11 +146,6 @@ def is_current(ws: Workspace, key: tuple) -> bool:
     return _CACHE.get(key) is ws
 
 
-def in_symmetric_memory(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` came from :func:`symmetric_empty` (two-shot reduces it in place)."""
-    return symmetric_allocation(tensor) is not None
-
-
 def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
     """Return this rank's cached workspace for ``group`` with at least ``nbytes``; grow if needed.
 
