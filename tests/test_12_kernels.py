@@ -219,6 +219,39 @@ def test_multicast_stays_off(monkeypatch):
 
 
 # -- the kernels, on GPUs ----------------------------------------------------------------
+@pytest.mark.gpu
+def test_tritons_launcher_asks_a_tensor_for_its_pointer_and_checks_it_but_not_an_address():
+    """Why a plan passes integer addresses: what Triton's launcher does with each kind of argument.
+
+    Given an object with ``data_ptr()`` (a tensor), the compiled kernel's launcher calls it on
+    every launch and has the driver check the pointer (host memory is refused); given an
+    integer it launches with it unchecked. The kernel launched is empty, so the host address
+    passed as an integer is never touched.
+    """
+    from dpcourse.comm.kernels import triton_allreduce as tk
+
+    x = torch.zeros(16, device="cuda")
+    args = (x, x, x, x, x, 16, 16)
+    compiled = tk.empty_kernel[(1,)](*args, RANK=0, WORLD=2, BLOCK=16, COPY=False)
+    launch = compiled[(1, 1, 1)]
+
+    class Counted:
+        calls = 0
+
+        def data_ptr(self):
+            Counted.calls += 1
+            return x.data_ptr()
+
+    launch(Counted(), *args[1:], 0, 2, 16, False)
+    launch(Counted(), *args[1:], 0, 2, 16, False)
+    assert Counted.calls == 2, "data_ptr() is called at every launch"
+    host = torch.zeros(16)
+    with pytest.raises(ValueError, match="cannot be accessed from Triton"):
+        launch(host, *args[1:], 0, 2, 16, False)
+    launch(host.data_ptr(), *args[1:], 0, 2, 16, False)   # an integer: not checked
+    torch.cuda.synchronize()
+
+
 KERNELS = {"one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
