@@ -114,7 +114,7 @@ class _Plan:
                  resident: bool):
         # The group is held so that its id, part of the key, is never reused by another.
         self.group, self.ws, self.launch = group, ws, launch
-        self.rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in rest)
+        self.rest = as_addresses(rest)
         self.device = flat.device.index
         self.resident = resident  # the tensor is its own buffer: no workspace halves
         self.ws_key: tuple = ()
@@ -148,6 +148,11 @@ class _Plan:
                     stream=torch._C._cuda_getCurrentRawStream(self.device))
         ws.calls += 1
         return True
+
+
+def as_addresses(args) -> tuple:
+    """Return ``args`` with every tensor replaced by its address, as a plan's launches pass them."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 _PLANS: dict = {}

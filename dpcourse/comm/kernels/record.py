@@ -68,8 +68,7 @@ def bare_one_shot(x: torch.Tensor, addresses: bool = False):
     ws.calls += 1
     launch = compiled[(grid, 1, 1)]
     if addresses:
-        args = [tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in half)
-                for half in args]
+        args = [ar.as_addresses(half) for half in args]
         device = x.device.index
 
         def fn(tensor=None, group=None):
@@ -146,7 +145,7 @@ def direct_two_shot(x: torch.Tensor, kernel=None):
         *args, RANK=ws.rank, WORLD=ws.world_size, BLOCK=block, COPY=False,
         num_warps=ar.NUM_WARPS)
     launch = compiled[(grid, 1, 1)]
-    addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    addresses = ar.as_addresses(args)
     device = x.device.index
 
     def fn(tensor=None, group=None):
