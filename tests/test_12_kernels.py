@@ -3,12 +3,15 @@
 The CPU tests replay the kernels' block/peer schedule (``schedule.simulate``)
 under many interleavings: it sums correctly on 2-4 ranks with the barrier,
 the pad is clear after every call, and each way of breaking the protocol
-(no barrier, relaxed flags, one buffer for one-shot) gives wrong sums.
+(no barrier, relaxed flags, one buffer for one-shot) gives wrong sums. A
+recording launcher shows which later calls reuse a launch plan, and what the
+plan hands Triton's launcher.
 
 The GPU tests (``gpu(2)``) compare both kernels with ``dist.all_reduce`` on
 every visible GPU (2, or 4 where present): many lengths including
 non-multiples of the block, float32/bfloat16/float16, 1,000 back-to-back
-calls, the zero-copy path and the DDP plug-in.
+calls, the zero-copy path and the DDP plug-in; and ``gpu(1)`` asks Triton's
+launcher what it does with a tensor argument and with an address.
 """
 
 from __future__ import annotations
