@@ -195,6 +195,43 @@ def test_a_plan_launches_only_calls_shaped_like_its_own(monkeypatch):
     assert len(launches) == 1
 
 
+
+class _FakeCopyWorkspace:
+    """Stands in for a group's workspace: two halves of a CPU buffer, and a call count."""
+
+    def __init__(self):
+        self.buffer, self.nbytes, self.calls = torch.zeros(64, dtype=torch.bfloat16), 128, 0
+
+    def view(self, dtype, numel, offset=0):
+        return self.buffer.view(dtype)[offset:offset + numel]
+
+
+def test_a_copying_plan_alternates_the_workspace_halves(monkeypatch):
+    """A plan for ordinary tensors: launches on the caller's tensor, the two halves in turn,
+    and only while its workspace is still the group's current one."""
+    from dpcourse.comm.kernels import allreduce, workspace
+
+    launches = []
+    monkeypatch.setattr(allreduce, "_PLANS", {})
+    monkeypatch.setattr(workspace, "_CACHE", {})
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    x = torch.zeros(16, dtype=torch.bfloat16)
+    ws = workspace._CACHE[workspace.cache_key(None, x.device.index)] = _FakeCopyWorkspace()
+    allreduce._remember("one_shot", x, None, allreduce.ONE_SHOT_MAX_BLOCKS, None, ws,
+                        lambda *args, stream: launches.append(args[:2]), (16, 0, 2, 8192))
+    halves = [ws.view(x.dtype, 16, offset=h * 32).data_ptr() for h in (0, 1)]
+
+    for _ in range(3):
+        one_shot_all_reduce(x)
+    assert launches == [(x.data_ptr(), halves[0]), (x.data_ptr(), halves[1]),
+                        (x.data_ptr(), halves[0])], "the caller's tensor, the halves in turn"
+    assert ws.calls == 3
+    # A larger call replaced the group's workspace: the plan no longer applies.
+    workspace._CACHE[workspace.cache_key(None, x.device.index)] = _FakeCopyWorkspace()
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        one_shot_all_reduce(x)
+    assert len(launches) == 3
+
 def test_benchmarks_know_the_kernel_rows():
     from dpcourse.bench.allreduce import _resolve
     from dpcourse.bench.ddp import KERNEL_VARIANTS, _wrap

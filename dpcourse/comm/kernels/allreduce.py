@@ -114,7 +114,7 @@ class _Plan:
                  resident: bool):
         # The group is held so that its id, part of the key, is never reused by another.
         self.group, self.ws, self.launch = group, ws, launch
-        self.rest = as_addresses(rest)
+        self.rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in rest)
         self.device = flat.device.index
         self.resident = resident  # the tensor is its own buffer: no workspace halves
         self.ws_key: tuple = ()
@@ -139,20 +139,15 @@ class _Plan:
         if self.resident:  # the same allocation, still alive (not freed and reused)
             if home is not ws:
                 return False
-            self.launch(address, address, *self.rest,
-                        stream=torch._C._cuda_getCurrentRawStream(self.device))
-            return True
-        if not is_current(ws, self.ws_key):
-            return False
-        self.launch(address, self.halves[ws.calls % 2], *self.rest,
+            buf = address
+        else:
+            if not is_current(ws, self.ws_key):
+                return False
+            buf = self.halves[ws.calls % 2]
+            ws.calls += 1
+        self.launch(address, buf, *self.rest,
                     stream=torch._C._cuda_getCurrentRawStream(self.device))
-        ws.calls += 1
         return True
-
-
-def as_addresses(args) -> tuple:
-    """Return ``args`` with every tensor replaced by its address, as a plan's launches pass them."""
-    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 _PLANS: dict = {}

@@ -41,14 +41,13 @@ def _impls() -> dict:
     return {"library": lambda t, group=None: dist.all_reduce(t, group=group), **kernel_impls()}
 
 
-def bare_one_shot(x: torch.Tensor, addresses: bool = False):
+def bare_one_shot(x: torch.Tensor):
     """Return ``fn()`` that relaunches the compiled one-shot kernel on ``x`` with no Python checks.
 
     Measures what the launch itself costs: the same kernel and arguments as
     :func:`one_shot_all_reduce`, alternating the buffer halves, but no argument
-    checks, no workspace lookup and no Triton dispatch. With ``addresses``
-    the launcher gets every pointer as an integer and the stream as an
-    argument, as a launch plan gives them; otherwise the tensors themselves.
+    checks, no workspace lookup and no Triton dispatch. The launcher is given
+    the tensors themselves; :func:`launch_only` gives it addresses, as a plan does.
     """
     from dpcourse.comm.kernels import allreduce as ar
     from dpcourse.comm.kernels import triton_allreduce as tk
@@ -59,25 +58,17 @@ def bare_one_shot(x: torch.Tensor, addresses: bool = False):
     block = ar.block_elems(x.dtype)
     grid = ar.grid_size(n, block, min(ar.ONE_SHOT_MAX_BLOCKS, ws.max_blocks))
     half_len = (ws.nbytes // 2) // element
-    args: list[tuple] = [(x, ws.view(x.dtype, n, offset=h * half_len), ws.deltas(element),
-                          ws.pad, ws.pad_deltas, n, ws.rank, ws.world_size, block)
-                         for h in (0, 1)]
+    args = [(x, ws.view(x.dtype, n, offset=h * half_len), ws.deltas(element), ws.pad,
+             ws.pad_deltas, n, ws.rank, ws.world_size, block) for h in (0, 1)]
     compiled = tk.one_shot_kernel[(grid,)](*args[ws.calls % 2][:6], RANK=ws.rank,
                                            WORLD=ws.world_size, BLOCK=block,
                                            num_warps=ar.NUM_WARPS)
     ws.calls += 1
     launch = compiled[(grid, 1, 1)]
-    if addresses:
-        args = [ar.as_addresses(half) for half in args]
-        device = x.device.index
 
-        def fn(tensor=None, group=None):
-            launch(*args[ws.calls % 2], stream=torch._C._cuda_getCurrentRawStream(device))
-            ws.calls += 1
-    else:
-        def fn(tensor=None, group=None):
-            launch(*args[ws.calls % 2])
-            ws.calls += 1
+    def fn(tensor=None, group=None):
+        launch(*args[ws.calls % 2])
+        ws.calls += 1
 
     fn()  # fails here, not in the timing loop, if the launcher wants other arguments
     torch.cuda.synchronize()
@@ -93,12 +84,10 @@ def host_and_device_times(sizes=SIZES, calls: int = 200) -> list[dict]:
     for size in sizes:
         x = torch.zeros(size // 2, dtype=torch.bfloat16, device=dev)
         impls = _impls()
-        for name, addresses in (("one_shot_bare_launch", False),
-                                ("one_shot_bare_launch_addresses", True)):
-            try:
-                impls[name] = bare_one_shot(x, addresses)
-            except Exception as err:  # noqa: BLE001 - an experiment: record why it did not run
-                rows.append({"impl": name, "nbytes": size, "error": repr(err)})
+        try:
+            impls["one_shot_bare_launch"] = bare_one_shot(x)
+        except Exception as err:  # noqa: BLE001 - an experiment: record why it did not run
+            rows.append({"impl": "one_shot_bare_launch", "nbytes": size, "error": repr(err)})
         for name, fn in impls.items():
             for _ in range(20):
                 fn(x)
@@ -122,36 +111,23 @@ def host_and_device_times(sizes=SIZES, calls: int = 200) -> list[dict]:
     return rows
 
 
-def direct_two_shot(x: torch.Tensor, kernel=None):
-    """Return ``fn()`` launching the compiled two-shot kernel (or ``kernel``) on symmetric ``x``.
+def launch_only(x: torch.Tensor, kernel=None):
+    """Return ``fn()`` making the launch of ``two_shot_all_reduce(x, kernel=kernel)``'s plan alone.
 
-    The launch a plan makes (addresses as integers, the stream given), without
+    ``x`` comes from :func:`symmetric_empty`. One call binds the plan; ``fn()`` then
+    hands its launcher what the plan would (addresses, the current stream), without
     the Python of :func:`two_shot_all_reduce` around it: no plan lookup, no checks.
     """
     from dpcourse.comm.kernels import allreduce as ar
-    from dpcourse.comm.kernels import triton_allreduce as tk
-    from dpcourse.comm.kernels.workspace import symmetric_allocation
 
-    ws = symmetric_allocation(x)
-    if ws is None:
-        raise ValueError("direct_two_shot launches on a tensor from symmetric_empty.")
-    n = x.numel()
-    length = ar.chunk_size(n, ws.world_size, align=ar.ALIGN)
-    block = ar.block_elems(x.dtype)
-    grid = ar.grid_size(length, block, min(ar.TWO_SHOT_MAX_BLOCKS, ws.max_blocks))
-    args = (x, x, ws.deltas(x.element_size()), ws.pad, ws.pad_deltas, n, length)
-    constexprs = (ws.rank, ws.world_size, block, False)
-    compiled = (kernel or tk.two_shot_kernel)[(grid,)](
-        *args, RANK=ws.rank, WORLD=ws.world_size, BLOCK=block, COPY=False,
-        num_warps=ar.NUM_WARPS)
-    launch = compiled[(grid, 1, 1)]
-    addresses = ar.as_addresses(args)
-    device = x.device.index
+    ar.two_shot_all_reduce(x, kernel=kernel)
+    address, device = x.data_ptr(), x.device.index
+    plan = ar._PLANS[ar._plan_key(ar.RESIDENT, x, address, None, ar.TWO_SHOT_MAX_BLOCKS, kernel)]
 
     def fn(tensor=None, group=None):
-        launch(*addresses, *constexprs, stream=torch._C._cuda_getCurrentRawStream(device))
+        plan.launch(address, address, *plan.rest,
+                    stream=torch._C._cuda_getCurrentRawStream(device))
 
-    fn()  # fails here, not in the timing loop, if the launcher wants other arguments
     torch.cuda.synchronize()
     return fn
 
@@ -160,7 +136,9 @@ def queued_launch_paths(sizes=SIZES[:2], calls: int = 20, trials: int = 15) -> l
     """Return one row per (path, size): time per call of ``calls`` queued calls (every rank).
 
     Medians of ``trials`` interleaved trials: ``per_call_us`` from the first launch until
-    the GPU finished the last, ``host_us`` until the host had issued the last.
+    the GPU finished the last, ``host_us`` until the host had issued the last. Timed here,
+    not with :func:`dpcourse.bench.timing.time_interleaved`, which records GPU events
+    only: the host's own time is what this measures.
     """
     from dpcourse.comm.kernels import triton_allreduce as tk
     from dpcourse.comm.kernels.allreduce import two_shot_all_reduce
@@ -173,8 +151,8 @@ def queued_launch_paths(sizes=SIZES[:2], calls: int = 20, trials: int = 15) -> l
         x.zero_()
         torch_two_shot = kernel_impls()["torch_two_shot"]
         paths = {"two_shot_all_reduce": lambda: two_shot_all_reduce(x),
-                 "two_shot_kernel_launch_only": direct_two_shot(x),
-                 "empty_kernel_launch_only": direct_two_shot(x, tk.empty_kernel),
+                 "two_shot_kernel_launch_only": launch_only(x),
+                 "empty_kernel_launch_only": launch_only(x, tk.empty_kernel),
                  "torch_two_shot": lambda: torch_two_shot(x)}
         for fn in paths.values():
             for _ in range(20):
@@ -200,16 +178,11 @@ def queued_launch_paths(sizes=SIZES[:2], calls: int = 20, trials: int = 15) -> l
     return rows
 
 
-def _record(kind: str):
-    """Run on every rank: the per-call host and GPU times, or the queued launch paths."""
-    return host_and_device_times() if kind == "per_call" else queued_launch_paths()
-
-
 def main(out_dir: str) -> int:
     world = torch.cuda.device_count()
     env = environment("nccl", world)
-    rows = dpcourse.run(_record, "per_call", world_size=world, backend="nccl", timeout=300)
-    queued = dpcourse.run(_record, "queued", world_size=world, backend="nccl", timeout=300)
+    rows = dpcourse.run(host_and_device_times, world_size=world, backend="nccl", timeout=300)
+    queued = dpcourse.run(queued_launch_paths, world_size=world, backend="nccl", timeout=300)
     import triton
 
     env["triton"] = triton.__version__
