@@ -151,86 +151,127 @@ def test_kernels_refuse_cpu_tensors_with_a_clear_error():
         two_shot_all_reduce(torch.ones(3))
 
 
+class _RecordingLauncher:
+    """Stands in for a kernel's ``DirectLaunch``: records each launch instead of making it."""
+
+    grid, head = 3, ("function", "metadata")
+
+    def __init__(self):
+        self.launches = []
+
+    def c_launch(self, *args):
+        self.launches.append(args)
+
+    def bind(self, *args):
+        return (*self.head, *args)
+
+
 class _FakeWorkspace:
-    """Stands in for a symmetric allocation: a plan only compares it by identity."""
+    """Stands in for a symmetric allocation: a plan only counts calls on it."""
+
+    calls = 0
 
 
-def test_a_plan_launches_only_calls_shaped_like_its_own(monkeypatch):
-    """The plan path, on the CPU: which later calls reuse a plan, and what its launcher is given.
+@pytest.fixture
+def plans(monkeypatch):
+    """The plan path on the CPU: an empty plan table and a fixed current stream (7)."""
+    from dpcourse.comm.kernels import workspace
+
+    monkeypatch.setattr(workspace, "PLANS", {})
+    from dpcourse.comm.kernels import allreduce
+
+    monkeypatch.setattr(allreduce, "PLANS", workspace.PLANS)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    return workspace.PLANS
+
+
+def test_a_plan_launches_only_calls_shaped_like_its_own(plans, monkeypatch):
+    """Which later calls reuse a plan, and what the launcher is given.
 
     The launch is recorded, not run; the rest of each call is the package's own code.
     """
     from dpcourse.comm.kernels import allreduce, workspace
 
-    launches = []
-    monkeypatch.setattr(allreduce, "_PLANS", {})
     monkeypatch.setattr(workspace, "_SYMMETRIC", {})
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    launcher = _RecordingLauncher()
     x = torch.zeros(64, dtype=torch.bfloat16)
     home = workspace._SYMMETRIC[x.data_ptr()] = _FakeWorkspace()
     deltas, pad = torch.zeros(2, dtype=torch.int64), torch.zeros(8, dtype=torch.int32)
-    allreduce._remember(allreduce.RESIDENT, x, None, allreduce.TWO_SHOT_MAX_BLOCKS, None, home,
-                        lambda *args, stream: launches.append((args, stream)),
-                        (deltas, pad, pad, 64, 32, 0, 2, 8192, False))
+    allreduce._remember(allreduce.TWO_SHOT, x, None, allreduce.TWO_SHOT_MAX_BLOCKS, None, home,
+                        launcher, (x, x), (deltas, pad, pad, 64, 32, 0, 2, 8192, False))
 
     two_shot_all_reduce(x)
-    assert launches == [((x.data_ptr(), x.data_ptr(), deltas.data_ptr(), pad.data_ptr(),
-                          pad.data_ptr(), 64, 32, 0, 2, 8192, False), 7)], \
-        "addresses as integers, and the current stream"
+    two_shot_all_reduce(x.view(8, 8))  # the same memory, contiguous: the same launch
+    assert launcher.launches == 2 * [(3, 1, 1, 7, "function", "metadata", x.data_ptr(),
+                                      x.data_ptr(), deltas.data_ptr(), pad.data_ptr(),
+                                      pad.data_ptr(), 64, 32, 0, 2, 8192, False)], \
+        "the grid, the current stream, and addresses as integers"
 
     # Anything that differs from the plan's call takes the full path, whose checks refuse a
     # CPU tensor: no launch.
     for call in (lambda: two_shot_all_reduce(x[:32]),                     # same address, shorter
                  lambda: two_shot_all_reduce(x.view(torch.float16)),     # another dtype
+                 lambda: two_shot_all_reduce(x.view(8, 8).t()),          # not contiguous
                  lambda: two_shot_all_reduce(x, op=dist.ReduceOp.MAX),   # another op
                  lambda: two_shot_all_reduce(x, max_blocks=4),           # another grid cap
+                 lambda: two_shot_all_reduce(x, group=object()),         # another group
                  lambda: one_shot_all_reduce(x)):                        # another kernel
         with pytest.raises(ValueError):
             call()
-    assert len(launches) == 1
-    # The allocation was freed and another took its address: the plan no longer applies.
-    workspace._SYMMETRIC[x.data_ptr()] = _FakeWorkspace()
+    assert len(launcher.launches) == 2
+    # The tensor was freed (its finalizer runs): no plan is left to launch on its address.
+    workspace._forget_symmetric(x.data_ptr())
+    assert not plans and x.data_ptr() not in workspace._SYMMETRIC
     with pytest.raises(ValueError, match="CUDA tensors"):
         two_shot_all_reduce(x)
-    assert len(launches) == 1
+    assert len(launcher.launches) == 2
 
 
-
-class _FakeCopyWorkspace:
-    """Stands in for a group's workspace: two halves of a CPU buffer, and a call count."""
-
-    def __init__(self):
-        self.buffer, self.nbytes, self.calls = torch.zeros(64, dtype=torch.bfloat16), 128, 0
-
-    def view(self, dtype, numel, offset=0):
-        return self.buffer.view(dtype)[offset:offset + numel]
-
-
-def test_a_copying_plan_alternates_the_workspace_halves(monkeypatch):
-    """A plan for ordinary tensors: launches on the caller's tensor, the two halves in turn,
-    and only while its workspace is still the group's current one."""
+def test_a_copying_plan_alternates_the_workspace_halves(plans, monkeypatch):
+    """A plan for ordinary tensors: the caller's tensor, the workspace's two halves in turn,
+    and no plan left once the group's workspace is replaced or released."""
     from dpcourse.comm.kernels import allreduce, workspace
 
-    launches = []
-    monkeypatch.setattr(allreduce, "_PLANS", {})
-    monkeypatch.setattr(workspace, "_CACHE", {})
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-    x = torch.zeros(16, dtype=torch.bfloat16)
-    ws = workspace._CACHE[workspace.cache_key(None, x.device.index)] = _FakeCopyWorkspace()
-    allreduce._remember("one_shot", x, None, allreduce.ONE_SHOT_MAX_BLOCKS, None, ws,
-                        lambda *args, stream: launches.append(args[:2]), (16, 0, 2, 8192))
-    halves = [ws.view(x.dtype, 16, offset=h * 32).data_ptr() for h in (0, 1)]
+    real = workspace.Workspace
 
+    def fake_workspace(nbytes, group, device):
+        ws = object.__new__(real)  # the layout only: a plain CPU buffer
+        ws.nbytes, ws.buffer = nbytes, torch.zeros(nbytes, dtype=torch.uint8)
+        ws.calls, ws._views, ws.group = 0, {}, group
+        return ws
+
+    monkeypatch.setattr(workspace, "_CACHE", {})
+    monkeypatch.setattr(workspace, "Workspace", fake_workspace)
+    monkeypatch.setattr(workspace, "process_group", lambda group: "pg")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    launcher = _RecordingLauncher()
+    x = torch.zeros(16, dtype=torch.bfloat16)
+    ws = workspace.get_workspace(64, None, x.device)
+
+    def remember():
+        allreduce._remember(allreduce.ONE_SHOT, x, None, allreduce.ONE_SHOT_MAX_BLOCKS, None, ws,
+                            launcher, ws.halves(x.dtype, 16), (16, 0, 2, 8192))
+
+    remember()
     for _ in range(3):
         one_shot_all_reduce(x)
-    assert launches == [(x.data_ptr(), halves[0]), (x.data_ptr(), halves[1]),
-                        (x.data_ptr(), halves[0])], "the caller's tensor, the halves in turn"
+    halves = [h.data_ptr() for h in ws.halves(x.dtype, 16)]
+    assert halves[1] - halves[0] == ws.nbytes // 2
+    assert [a[6:8] for a in launcher.launches] == [(x.data_ptr(), halves[0]),
+                                                    (x.data_ptr(), halves[1]),
+                                                    (x.data_ptr(), halves[0])], \
+        "the caller's tensor, the halves in turn"
     assert ws.calls == 3
-    # A larger call replaced the group's workspace: the plan no longer applies.
-    workspace._CACHE[workspace.cache_key(None, x.device.index)] = _FakeCopyWorkspace()
+    # A larger call replaces the group's workspace: the plans go with it.
+    assert workspace.get_workspace(1 << 22, None, x.device) is not ws and not plans
     with pytest.raises(ValueError, match="CUDA tensors"):
         one_shot_all_reduce(x)
-    assert len(launches) == 3
+    remember()
+    workspace.release_workspaces()  # so does releasing them
+    assert not plans
+    assert len(launcher.launches) == 3
+
 
 def test_benchmarks_know_the_kernel_rows():
     from dpcourse.bench.allreduce import _resolve
@@ -261,7 +302,8 @@ def test_multicast_stays_off(monkeypatch):
 # -- the kernels, on GPUs ----------------------------------------------------------------
 @pytest.mark.gpu
 def test_tritons_launcher_asks_a_tensor_for_its_pointer_and_checks_it_but_not_an_address():
-    """Why a plan passes integer addresses: what Triton's launcher does with each kind of argument.
+    """Why a plan passes integer addresses: what Triton's launcher does with each kind of argument;
+    and why it skips Triton's runner: what the runner asks for at every launch.
 
     Given an object with ``data_ptr()`` (a tensor), the compiled kernel's launcher calls it on
     every launch and has the driver check the pointer (host memory is refused); given an
@@ -290,6 +332,19 @@ def test_tritons_launcher_asks_a_tensor_for_its_pointer_and_checks_it_but_not_an
         launch(host, *args[1:], 0, 2, 16, False)
     launch(host.data_ptr(), *args[1:], 0, 2, 16, False)   # an integer: not checked
     torch.cuda.synchronize()
+
+    # The runner asks the compiled kernel for its launch metadata at every launch;
+    # DirectLaunch, which the plans call, goes to the launcher without asking.
+    asked, metadata = [], compiled.launch_metadata
+    compiled.launch_metadata = lambda *a: (asked.append(1), metadata(*a))[1]
+    for _ in range(2):
+        launch(*args, 0, 2, 16, False)
+    assert len(asked) == 2
+    direct = tk.DirectLaunch(compiled, 1)
+    for _ in range(2):
+        direct(*args, 0, 2, 16, False, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert len(asked) == 2
 
 
 KERNELS = {"one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce}
@@ -403,6 +458,38 @@ def test_kernels_stay_correct_over_1000_back_to_back_calls():
                                             backend="nccl", timeout=600)):
         for name, n, dtype, wrong in res:
             assert not wrong, f"{name} n={n} {dtype} rank {rank}: wrong in calls {wrong}"
+
+
+def launch_entries() -> dict:
+    """Each entry into Triton's launcher that DirectLaunch may take, over 300 mixed calls."""
+    import triton
+
+    from dpcourse.comm.kernels import triton_allreduce as tk
+    from dpcourse.comm.kernels.workspace import PLANS
+
+    out, known = {}, tk.C_LAUNCH_VERSIONS
+    for entry, versions in (("c", known), ("object", ())):
+        tk.C_LAUNCH_VERSIONS = versions  # read when a launcher is made
+        tk._LAUNCHERS.clear()
+        PLANS.clear()
+        wrong = mixed_back_to_back(300)
+        runs = [launcher.compiled.run for launcher in tk._LAUNCHERS.values()]
+        took = {"c" if l.c_launch is r.launch else "object" if l.c_launch is r else "?"
+                for l, r in zip(tk._LAUNCHERS.values(), runs)}
+        out[entry] = (wrong, took)
+    tk.C_LAUNCH_VERSIONS = known
+    out["this_triton_is_known"] = triton.__version__.startswith(known)
+    return out
+
+
+@pytest.mark.gpu(2)
+def test_both_entries_into_tritons_launcher_reduce_correctly():
+    """The C entry (the Triton versions checked) and the launcher object's (any other)."""
+    for rank, res in enumerate(dpcourse.run(launch_entries, world_size=GPUS, backend="nccl",
+                                            timeout=600)):
+        assert res["c"][0] == [] and res["object"][0] == [], f"rank {rank}: {res}"
+        assert res["object"][1] == {"object"}
+        assert res["c"][1] == ({"c"} if res["this_triton_is_known"] else {"object"})
 
 
 def zero_copy() -> list:

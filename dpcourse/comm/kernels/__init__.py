@@ -23,10 +23,11 @@ __all__ = ["one_shot_all_reduce", "two_shot_all_reduce", "symmetric_empty",
 
 
 def kernel_source(name: str) -> str:
-    """Return the source of function ``name`` in the Triton kernels module, without importing Triton.
+    """Return the source of function or class ``name`` in the Triton kernels module (no Triton import).
 
     Args:
-        name: e.g. ``"block_barrier"``, ``"one_shot_kernel"``, ``"two_shot_kernel"``.
+        name: e.g. ``"block_barrier"``, ``"one_shot_kernel"``, ``"two_shot_kernel"``,
+            ``"DirectLaunch"``.
     """
     import ast
     import pathlib
@@ -34,7 +35,7 @@ def kernel_source(name: str) -> str:
     path = pathlib.Path(__file__).with_name("triton_allreduce.py")
     text = path.read_text()
     for node in ast.parse(text).body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
             start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
             return "\n".join(text.splitlines()[start - 1:node.end_lineno])
-    raise ValueError(f"no function {name!r} in {path.name}.")
+    raise ValueError(f"no function or class {name!r} in {path.name}.")

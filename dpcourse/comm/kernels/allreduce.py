@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.comm.kernels.schedule import grid_size
-from dpcourse.comm.kernels.workspace import (Workspace, cache_key, get_workspace,
-                                             is_current,
-                                             symmetric_allocation, symmetric_workspace_of)
+from dpcourse.comm.kernels.workspace import (PLANS, Workspace, get_workspace,
+                                             symmetric_workspace_of)
 from dpcourse.comm.sharding import chunk_size
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,6 +41,7 @@ TWO_SHOT_MAX_BLOCKS = 128
 ALIGN = 16  # elements: every rank's slice starts 16-element aligned (16-byte accesses)
 MAX_NUMEL = 2**31 - 2**24  # the kernels index with 32-bit offsets
 SUM = dist.ReduceOp.SUM  # the one op the kernels do (bound once: read on every call)
+ONE_SHOT, TWO_SHOT = "one_shot", "two_shot"  # the kinds of plan
 
 
 def _check(tensor: torch.Tensor, op) -> torch.Tensor:
@@ -91,95 +91,56 @@ def _kernels():
 
 
 class _Plan:
-    """A repeated call's launch, bound once: only the tensor and the workspace half change.
+    """A repeated call's launch, bound once: each call only picks the buffer and the stream.
 
-    Made after the first call of a shape (kernel, dtype, length, device,
-    group, grid cap, alignment; for a tensor in symmetric memory, the tensor
-    itself): a later call of that shape skips the argument checks, the
-    workspace lookup and the launch arithmetic, which on a small message cost
-    the host about as long as the kernel takes on the GPU. Valid while its
-    workspace is the group's current one (a larger call replaces it), or, for
-    a symmetric tensor, while the tensor's allocation is alive.
+    Made after the first call on a tensor (its address, length and dtype, its
+    device, the group, grid cap and kernel): a later call on the same tensor
+    skips the argument checks, the workspace lookup, the launch arithmetic and
+    Triton's runner, which on a small message cost the host about as long as
+    the kernel takes on the GPU. Each launch's arguments are built here, once:
+    addresses as integers (given a tensor, Triton's launcher calls its
+    ``data_ptr()`` and asks the CUDA driver about the pointer, on every call and
+    for every tensor argument; an integer it passes on as it is).
 
-    The launcher gets addresses, not tensors, and the current stream: given a
-    tensor, Triton's launcher calls its ``data_ptr()`` and asks the CUDA driver
-    about the pointer, on every call and for every tensor argument; an integer
-    it passes on as it is. Without a stream it looks up the current device and
-    its stream itself. The workspace the plan holds keeps every address alive.
+    An ordinary tensor is copied through the group's workspace, alternating its
+    two halves (``tails[0]``, ``tails[1]``); a tensor in symmetric memory is its
+    own buffer (both tails launch on it). Plans live in
+    :data:`~dpcourse.comm.kernels.workspace.PLANS`, which is emptied whenever a
+    workspace is replaced or released or a symmetric tensor is freed: a plan
+    never outlives the memory its addresses point into.
     """
 
-    __slots__ = ("group", "ws", "ws_key", "launch", "halves", "rest", "resident", "device")
+    __slots__ = ("ws", "launcher", "c_launch", "grid", "tails", "device")
 
-    def __init__(self, flat: torch.Tensor, group, ws: Workspace, launch, rest: tuple,
-                 resident: bool):
-        # The group is held so that its id, part of the key, is never reused by another.
-        self.group, self.ws, self.launch = group, ws, launch
-        self.rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in rest)
-        self.device = flat.device.index
-        self.resident = resident  # the tensor is its own buffer: no workspace halves
-        self.ws_key: tuple = ()
-        self.halves: tuple[int, ...] = ()
-        if resident:
-            return
-        self.ws_key = cache_key(group, flat.device.index)
-        half_len = (ws.nbytes // 2) // flat.element_size()
-        self.halves = tuple(ws.view(flat.dtype, flat.numel(), offset=h * half_len).data_ptr()
-                            for h in (0, 1))
+    def __init__(self, ws: Workspace, launcher, device: int, tails: tuple):
+        self.ws, self.device, self.tails = ws, device, tails
+        self.launcher, self.c_launch, self.grid = launcher, launcher.c_launch, launcher.grid
 
-    def __call__(self, tensor: torch.Tensor, address: int, home: Workspace | None) -> bool:
-        """Launch on ``tensor`` if it fits this plan; return whether it ran.
-
-        The key already matched the tensor's type, dtype, length, device and address (or
-        alignment); ``address`` is ``tensor.data_ptr()`` and ``home`` what
-        ``symmetric_allocation(tensor)`` returned for it.
-        """
+    def __call__(self) -> None:
         ws = self.ws
-        if tensor.dim() != 1 or not tensor.is_contiguous():
-            return False
-        if self.resident:  # the same allocation, still alive (not freed and reused)
-            if home is not ws:
-                return False
-            buf = address
-        else:
-            if not is_current(ws, self.ws_key):
-                return False
-            buf = self.halves[ws.calls % 2]
-            ws.calls += 1
-        self.launch(address, buf, *self.rest,
-                    stream=torch._C._cuda_getCurrentRawStream(self.device))
-        return True
+        tail = self.tails[ws.calls & 1]
+        ws.calls += 1
+        self.c_launch(self.grid, 1, 1, torch._C._cuda_getCurrentRawStream(self.device), *tail)
 
 
-_PLANS: dict = {}
-RESIDENT = "two_shot_symm"  # the plan kind of two-shot on a tensor in symmetric memory
-
-
-def _plan_key(kind: str, tensor: torch.Tensor, address: int, group, max_blocks: int,
-              kernel) -> tuple:
-    # A symmetric tensor's plan is its own (its address); others share one per alignment.
-    where = address if kind == RESIDENT else address % 16
-    return (kind, where, tensor.numel(), tensor.dtype, tensor.get_device(), id(group),
+def _plan_key(kind: str, tensor: torch.Tensor, group, max_blocks: int, kernel) -> tuple:
+    return (kind, tensor.data_ptr(), tensor.numel(), tensor.dtype, tensor.get_device(), group,
             max_blocks, kernel)
 
 
-def _run_plan(kind: str, tensor: torch.Tensor, address: int, home: Workspace | None, group,
-              max_blocks: int, kernel) -> bool:
-    """Launch through the plan for this call's shape, if there is one; return whether it ran."""
-    plan = _PLANS.get(_plan_key(kind, tensor, address, group, max_blocks, kernel))
-    return plan is not None and plan(tensor, address, home)
+def _remember(kind: str, tensor: torch.Tensor, group, max_blocks: int, kernel, ws: Workspace,
+              launcher, buffers: tuple, rest: tuple) -> None:
+    """Keep a :class:`_Plan` for later calls on ``tensor`` shaped like this one.
 
-
-def _remember(kind: str, flat: torch.Tensor, group, max_blocks: int, kernel, ws: Workspace,
-              launch, rest: tuple) -> None:
-    """Keep a :class:`_Plan` for calls shaped like this one (``rest``: the launch's other args).
-
-    ``flat`` is the caller's own tensor: a plan launches on the tensor it is given, so
-    calls that pass another shape (reduced through a flat view) get none.
+    ``buffers``: the buffer of each of the two alternating calls (the workspace's
+    halves, or the tensor itself twice); ``rest``: the launch's other arguments.
     """
-    if len(_PLANS) >= 256:  # bounded: a few bucket sizes per model in practice
-        _PLANS.clear()
-    key = _plan_key(kind, flat, flat.data_ptr(), group, max_blocks, kernel)
-    _PLANS[key] = _Plan(flat, group, ws, launch, rest, kind == RESIDENT)
+    if len(PLANS) >= 256:  # bounded: a few bucket sizes per model in practice
+        PLANS.clear()
+    rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in rest)
+    tails = tuple(launcher.bind(tensor.data_ptr(), buf.data_ptr(), *rest) for buf in buffers)
+    PLANS[_plan_key(kind, tensor, group, max_blocks, kernel)] = _Plan(
+        ws, launcher, tensor.get_device(), tails)
 
 
 def block_elems(dtype: torch.dtype) -> int:
@@ -199,9 +160,10 @@ def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
         kernel: a Triton kernel with the parameters of ``one_shot_kernel`` to launch instead
             (the exercise's); ``None`` launches ours.
     """
-    if (type(tensor) is torch.Tensor and op is SUM
-            and _run_plan("one_shot", tensor, tensor.data_ptr(), None, group, max_blocks, kernel)):
-        return  # a call shaped like an earlier one (the full path's checks explain the rest)
+    if type(tensor) is torch.Tensor and op is SUM:  # a call shaped like an earlier one?
+        plan = PLANS.get(_plan_key(ONE_SHOT, tensor, group, max_blocks, kernel))
+        if plan is not None and tensor.is_contiguous():
+            return plan()
     flat = _prepare(tensor, op)
     if flat is None:
         return
@@ -213,11 +175,10 @@ def one_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     # barrier of the call in between, so no peer can still be reading it (see the kernel).
     buf = ws.next_half(flat.dtype, n)
     grid, block = _launch_shape(n, flat.dtype, max_blocks, ws)
-    launch = _kernels().launch_one_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
-                                        ws.rank, ws.world_size, grid, block, NUM_WARPS, kernel)
-    if flat is tensor:
-        _remember("one_shot", flat, group, max_blocks, kernel, ws, launch,
-                  (ws.deltas(element), ws.pad, ws.pad_deltas, n, ws.rank, ws.world_size, block))
+    launcher = _kernels().launch_one_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
+                                          ws.rank, ws.world_size, grid, block, NUM_WARPS, kernel)
+    _remember(ONE_SHOT, flat, group, max_blocks, kernel, ws, launcher, ws.halves(flat.dtype, n),
+              (ws.deltas(element), ws.pad, ws.pad_deltas, n, ws.rank, ws.world_size, block))
 
 
 def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
@@ -232,10 +193,9 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
             (the exercise's); ``None`` launches ours.
     """
     if type(tensor) is torch.Tensor and op is SUM:  # a call shaped like an earlier one?
-        home = symmetric_allocation(tensor)
-        if _run_plan("two_shot" if home is None else RESIDENT, tensor, tensor.data_ptr(), home,
-                     group, max_blocks, kernel):
-            return
+        plan = PLANS.get(_plan_key(TWO_SHOT, tensor, group, max_blocks, kernel))
+        if plan is not None and tensor.is_contiguous():
+            return plan()
     flat = _prepare(tensor, op)
     if flat is None:
         return
@@ -255,10 +215,10 @@ def two_shot_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
     else:  # the tensor is the symmetric buffer: peers load and store it directly
         buf = flat
     grid, block = _launch_shape(length, flat.dtype, max_blocks, ws)
-    launch = _kernels().launch_two_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
-                                        length, ws.rank, ws.world_size, grid, block, NUM_WARPS,
-                                        copy, kernel)
-    if flat is tensor:  # a resident tensor is its own buffer: no workspace halves
-        _remember("two_shot" if copy else RESIDENT, flat, group, max_blocks, kernel, ws, launch,
-                  (ws.deltas(element), ws.pad, ws.pad_deltas, n, length, ws.rank, ws.world_size,
-                   block, copy))
+    launcher = _kernels().launch_two_shot(flat, buf, ws.deltas(element), ws.pad, ws.pad_deltas,
+                                          length, ws.rank, ws.world_size, grid, block, NUM_WARPS,
+                                          copy, kernel)
+    _remember(TWO_SHOT, flat, group, max_blocks, kernel, ws, launcher,
+              ws.halves(flat.dtype, n) if copy else (flat, flat),
+              (ws.deltas(element), ws.pad, ws.pad_deltas, n, length, ws.rank, ws.world_size,
+               block, copy))

@@ -12,8 +12,9 @@ and PyTorch's symmetric-memory ops, at a few sizes,
 and, for 20 calls queued back to back on a tensor in symmetric memory
 (:func:`queued_launch_paths`), the time per call to completion of our
 two-shot through :func:`two_shot_all_reduce`, of the same compiled kernel
-launched with nothing around it, of an empty kernel launched the same way,
-and of PyTorch's ``two_shot_all_reduce_``.
+launched through Triton's runner and with nothing around Triton's launcher,
+of an empty kernel launched the same way, and of PyTorch's
+``two_shot_all_reduce_``.
 
 The bandwidth sweep itself comes from ``dpcourse bench allreduce``.
 """
@@ -111,22 +112,46 @@ def host_and_device_times(sizes=SIZES, calls: int = 200) -> list[dict]:
     return rows
 
 
+def _plan_of(x: torch.Tensor, kernel=None):
+    """Return the plan ``two_shot_all_reduce(x, kernel=kernel)`` binds (making one call)."""
+    from dpcourse.comm.kernels import allreduce as ar
+    from dpcourse.comm.kernels.workspace import PLANS
+
+    ar.two_shot_all_reduce(x, kernel=kernel)
+    return PLANS[ar._plan_key(ar.TWO_SHOT, x, None, ar.TWO_SHOT_MAX_BLOCKS, kernel)]
+
+
 def launch_only(x: torch.Tensor, kernel=None):
     """Return ``fn()`` making the launch of ``two_shot_all_reduce(x, kernel=kernel)``'s plan alone.
 
     ``x`` comes from :func:`symmetric_empty`. One call binds the plan; ``fn()`` then
-    hands its launcher what the plan would (addresses, the current stream), without
-    the Python of :func:`two_shot_all_reduce` around it: no plan lookup, no checks.
+    calls its launcher with the arguments the plan would pass, without the Python of
+    :func:`two_shot_all_reduce` around it: no plan lookup, no checks.
     """
-    from dpcourse.comm.kernels import allreduce as ar
-
-    ar.two_shot_all_reduce(x, kernel=kernel)
-    address, device = x.data_ptr(), x.device.index
-    plan = ar._PLANS[ar._plan_key(ar.RESIDENT, x, address, None, ar.TWO_SHOT_MAX_BLOCKS, kernel)]
+    plan = _plan_of(x, kernel)
+    c_launch, grid, tail, device = plan.c_launch, plan.grid, plan.tails[0], plan.device
 
     def fn(tensor=None, group=None):
-        plan.launch(address, address, *plan.rest,
-                    stream=torch._C._cuda_getCurrentRawStream(device))
+        c_launch(grid, 1, 1, torch._C._cuda_getCurrentRawStream(device), *tail)
+
+    torch.cuda.synchronize()
+    return fn
+
+
+def triton_runner(x: torch.Tensor):
+    """Return ``fn()`` launching the plan's compiled kernel through Triton's own runner.
+
+    ``compiled[(grid, 1, 1)](*args, stream=stream)`` with the plan's arguments: how
+    the plans launched before they called the launcher directly
+    (:class:`~dpcourse.comm.kernels.triton_allreduce.DirectLaunch`).
+    """
+    plan = _plan_of(x)
+    launcher, device = plan.launcher, plan.device
+    runner = launcher.compiled[(plan.grid, 1, 1)]
+    args = plan.tails[0][len(launcher.head):]
+
+    def fn(tensor=None, group=None):
+        runner(*args, stream=torch._C._cuda_getCurrentRawStream(device))
 
     torch.cuda.synchronize()
     return fn
@@ -151,6 +176,7 @@ def queued_launch_paths(sizes=SIZES[:2], calls: int = 20, trials: int = 15) -> l
         x.zero_()
         torch_two_shot = kernel_impls()["torch_two_shot"]
         paths = {"two_shot_all_reduce": lambda: two_shot_all_reduce(x),
+                 "two_shot_triton_runner": triton_runner(x),
                  "two_shot_kernel_launch_only": launch_only(x),
                  "empty_kernel_launch_only": launch_only(x, tk.empty_kernel),
                  "torch_two_shot": lambda: torch_two_shot(x)}

@@ -184,15 +184,62 @@ def empty_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
     pass
 
 
-# Compiled kernels ready to launch, keyed by everything Triton specialises a kernel on.
+# Triton versions whose compiled launcher DirectLaunch calls by its C entry point (checked on
+# GPUs: tests/test_12_kernels.py); any other version goes through the launcher's Python entry.
+C_LAUNCH_VERSIONS = ("3.6.",)
+
+
+class DirectLaunch:
+    """One compiled kernel variant over one grid, launched with nothing around Triton's launcher.
+
+    ``compiled[grid](*args)``, Triton's own runner, runs Python on every
+    launch before its C launcher does (it asks the compiled kernel for launch
+    metadata, among other things). On a small all-reduce that costs the host
+    microseconds, about as long as the kernel takes. Here the launch goes
+    straight to the C launcher (for a Triton in :data:`C_LAUNCH_VERSIONS` and a
+    kernel that needs no scratch memory; otherwise to the launcher object), with
+    no launch metadata and no hooks: tools that register Triton launch hooks do
+    not see these launches.
+
+    Call ``launch(*args, stream=stream)``; or, for a launch repeated on the same
+    arguments, ``launch.c_launch(launch.grid, 1, 1, stream, *launch.bind(*args))``.
+    """
+
+    __slots__ = ("compiled", "c_launch", "grid", "head")
+
+    head: tuple  # what comes between the stream and the kernel's arguments
+
+    def __init__(self, compiled, grid: int):
+        run = compiled.run  # the launcher object (loads the binary on first use)
+        self.compiled, self.grid = compiled, grid  # Triton's own launch: compiled[(grid, 1, 1)]
+        if (triton.__version__.startswith(C_LAUNCH_VERSIONS) and not run.global_scratch_size
+                and not run.profile_scratch_size):
+            self.c_launch = run.launch
+            # function, cooperative grid, programmatic dependent launch, global and profile
+            # scratch, packed metadata, launch metadata, enter hook, exit hook
+            self.head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None,
+                         None, compiled.packed_metadata, None, None, None)
+        else:
+            self.c_launch = run
+            self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+
+    def bind(self, *args) -> tuple:
+        """Return what follows the stream in ``c_launch``'s arguments for a launch on ``args``."""
+        return (*self.head, *args)
+
+    def __call__(self, *args, stream: int) -> None:
+        self.c_launch(self.grid, 1, 1, stream, *self.head, *args)
+
+
+# Launchers of compiled kernels, keyed by everything Triton specialises a kernel on.
 _LAUNCHERS: dict = {}
 
 
-def _launch(kernel, grid: int, args: tuple, constexprs: tuple, num_warps: int):
+def _launch(kernel, grid: int, args: tuple, constexprs: tuple, num_warps: int) -> DirectLaunch:
     """Launch ``kernel`` over ``grid`` blocks on the current stream; return its direct launcher.
 
-    The launcher takes ``*args, *constexprs`` and launches the same compiled
-    variant on the current stream, skipping Triton's dispatch.
+    The launcher takes ``*args, *constexprs`` and a stream, and launches the
+    same compiled variant, skipping Triton's dispatch.
 
     Triton's ``kernel[grid](...)`` inspects every argument on each call to find
     the compiled variant (about as long as the kernel takes on a small
@@ -201,31 +248,32 @@ def _launch(kernel, grid: int, args: tuple, constexprs: tuple, num_warps: int):
     16, or neither); the key below holds those exactly (integers by value), so
     a launcher is only reused for calls that would compile to the same kernel.
     """
-    key = (kernel, grid, num_warps, constexprs, args[0].get_device(),
+    device = args[0].get_device()
+    key = (kernel, grid, num_warps, constexprs, device,
            *((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
              for a in args))
     launcher = _LAUNCHERS.get(key)
     if launcher is not None:
-        launcher(*args, *constexprs)
+        launcher(*args, *constexprs, stream=torch._C._cuda_getCurrentRawStream(device))
         return launcher
     names = kernel.arg_names[len(args):]
     compiled = kernel[(grid,)](*args, **dict(zip(names, constexprs)), num_warps=num_warps)
     if len(_LAUNCHERS) >= 256:  # bounded: a few sizes and dtypes per run in practice
         _LAUNCHERS.clear()
-    launcher = _LAUNCHERS[key] = compiled[(grid, 1, 1)]
+    launcher = _LAUNCHERS[key] = DirectLaunch(compiled, grid)
     return launcher
 
 
 def launch_one_shot(x, buf, buf_deltas, pad, pad_deltas, rank, world, grid, block, num_warps,
                     kernel=None):
-    """Launch :func:`one_shot_kernel` (or ``kernel``, same parameters); return the launcher."""
+    """Launch :func:`one_shot_kernel` (or ``kernel``, same parameters); return its launcher."""
     return _launch(one_shot_kernel if kernel is None else kernel, grid,
             (x, buf, buf_deltas, pad, pad_deltas, x.numel()), (rank, world, block), num_warps)
 
 
 def launch_two_shot(x, buf, buf_deltas, pad, pad_deltas, slice_len, rank, world, grid, block,
                     num_warps, copy, kernel=None):
-    """Launch :func:`two_shot_kernel` (or ``kernel``, same parameters); return the launcher."""
+    """Launch :func:`two_shot_kernel` (or ``kernel``, same parameters); return its launcher."""
     return _launch(two_shot_kernel if kernel is None else kernel, grid,
             (x, buf, buf_deltas, pad, pad_deltas, x.numel(), slice_len),
             (rank, world, block, copy), num_warps)

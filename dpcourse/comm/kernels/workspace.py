@@ -101,13 +101,19 @@ class Workspace:
         Every rank makes the same calls, so every rank picks the same half.
         Why two fixed halves: :func:`~dpcourse.comm.kernels.schedule.half_offset`.
         """
+        view = self.halves(dtype, numel)[self.calls % 2]
+        self.calls += 1
+        return view
+
+    def halves(self, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the first ``numel`` elements of each half of the buffer, as ``dtype``."""
         half_len = (self.nbytes // 2) // dtype.itemsize
         if numel > half_len:
             raise ValueError(f"{numel} elements do not fit in half of a {self.nbytes}-byte "
                              "workspace: ask get_workspace for twice the bytes of a call.")
-        view = self.view(dtype, numel, offset=half_offset(self.calls, half_len))
-        self.calls += 1
-        return view
+        first, second = (self.view(dtype, numel, offset=half_offset(call, half_len))
+                         for call in (0, 1))
+        return first, second
 
     def view(self, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
         """Return ``numel`` elements of the local buffer as ``dtype``, starting at element ``offset``."""
@@ -134,16 +140,15 @@ def _offsets(ptrs, rank: int, element_size: int, device) -> torch.Tensor:
 _CACHE: dict = {}
 # Tensors that live in symmetric memory of their own: {data_ptr: Workspace}.
 _SYMMETRIC: dict = {}
+# Launch plans of the all-reduce kernels (dpcourse.comm.kernels.allreduce keeps them here), each
+# bound to addresses in one workspace: emptied whenever a workspace is replaced or released and
+# whenever a symmetric tensor is made or freed, so a plan never launches on memory that moved.
+PLANS: dict = {}
 
 
 def cache_key(group, device_index: int) -> tuple:
     """Return the key under which :func:`get_workspace` keeps ``group``'s workspace on a device."""
     return (id(group), device_index)
-
-
-def is_current(ws: Workspace, key: tuple) -> bool:
-    """Whether ``ws`` is still the workspace cached under ``key`` (not replaced or released)."""
-    return _CACHE.get(key) is ws
 
 
 def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
@@ -166,6 +171,7 @@ def get_workspace(nbytes: int, group, device: torch.device) -> Workspace:
         torch.cuda.synchronize(device)
         dist.barrier(group=pg)
         del ws
+    PLANS.clear()
     _CACHE[key] = Workspace(nbytes, pg, device)
     return _CACHE[key]
 
@@ -174,6 +180,7 @@ def release_workspaces() -> None:
     """Free the cached workspaces of this process (after the GPU has finished with them)."""
     if _CACHE and torch.cuda.is_available():
         torch.cuda.synchronize()
+    PLANS.clear()
     _CACHE.clear()
 
 
@@ -192,9 +199,15 @@ def symmetric_empty(numel: int, dtype: torch.dtype = torch.float32, group=None) 
     element = torch.empty((), dtype=dtype).element_size()
     ws = Workspace(max(1, numel) * element, group, device)
     tensor = ws.view(dtype, numel)
+    PLANS.clear()
     _SYMMETRIC[tensor.data_ptr()] = ws
-    weakref.finalize(tensor, _SYMMETRIC.pop, tensor.data_ptr(), None)
+    weakref.finalize(tensor, _forget_symmetric, tensor.data_ptr())
     return tensor
+
+
+def _forget_symmetric(address: int) -> None:
+    _SYMMETRIC.pop(address, None)
+    PLANS.clear()
 
 
 def symmetric_allocation(tensor: torch.Tensor) -> Workspace | None:
