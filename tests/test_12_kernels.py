@@ -273,15 +273,31 @@ def test_a_copying_plan_alternates_the_workspace_halves(plans, monkeypatch):
     assert len(launcher.launches) == 3
 
 
-def test_benchmarks_know_the_kernel_rows():
+def test_benchmarks_know_the_kernel_rows(monkeypatch):
     from dpcourse.bench.allreduce import _resolve
-    from dpcourse.bench.ddp import KERNEL_VARIANTS, _wrap
+    from dpcourse.bench.ddp import COMM_STREAM_TWO_SHOT_BLOCKS, KERNEL_VARIANTS, _wrap
 
     rows = ["one_shot", "two_shot", "two_shot_symm", "torch_one_shot", "torch_two_shot"]
     assert list(_resolve(["library"] + rows)) == ["library"] + rows
     with pytest.raises(ValueError, match="two_shot_symm"):
         _resolve(["three_shot"])
-    assert KERNEL_VARIANTS == ("overlapped_one_shot", "overlapped_two_shot")
+    assert KERNEL_VARIANTS == ("overlapped_one_shot", "overlapped_two_shot",
+                               "overlapped_one_shot_comm_stream", "overlapped_two_shot_comm_stream")
+    from dpcourse import ddp
+    from dpcourse.comm import OnCommStream, kernels
+
+    monkeypatch.setattr(ddp, "DataParallelOverlapped", lambda model, **kwargs: kwargs)
+    for variant in KERNEL_VARIANTS:
+        fn = _wrap(variant, torch.nn.Linear(2, 2), torch.device("cpu"), 25.0, None,
+                   None)["all_reduce"]
+        kernel = kernels.one_shot_all_reduce if "one_shot" in variant else kernels.two_shot_all_reduce
+        if variant == "overlapped_two_shot_comm_stream":
+            assert isinstance(fn, OnCommStream) and fn.all_reduce.func is kernel
+            assert fn.all_reduce.keywords == {"max_blocks": COMM_STREAM_TWO_SHOT_BLOCKS}
+        elif variant.endswith("comm_stream"):
+            assert isinstance(fn, OnCommStream) and fn.all_reduce is kernel
+        else:
+            assert fn is kernel
     with pytest.raises(ValueError, match="overlapped_two_shot"):
         _wrap("overlapped_three_shot", torch.nn.Linear(2, 2), torch.device("cpu"), 25.0, None, None)
 
@@ -520,14 +536,17 @@ def test_two_shot_reduces_a_symmetric_tensor_in_place():
 def ddp_with_kernel(kernel: str) -> dict:
     from ddp_helpers import global_batch, loss_of, make_model, state_of
 
+    from dpcourse.comm import OnCommStream
     from dpcourse.data import shard_batch
     from dpcourse.ddp import DataParallelOverlapped
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", rank)
     base = make_model("gpt").to(dev)
-    ours = DataParallelOverlapped(copy.deepcopy(base), bucket_cap_mb=0.002,
-                                  all_reduce=KERNELS[kernel])
+    fn = KERNELS[kernel.removesuffix("_comm_stream")]
+    if kernel.endswith("_comm_stream"):
+        fn = OnCommStream(fn)
+    ours = DataParallelOverlapped(copy.deepcopy(base), bucket_cap_mb=0.002, all_reduce=fn)
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=[rank])
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
     diffs = []
@@ -543,10 +562,43 @@ def ddp_with_kernel(kernel: str) -> dict:
 
 
 @pytest.mark.gpu(2)
-@pytest.mark.parametrize("kernel", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("kernel", ["one_shot", "two_shot", "two_shot_comm_stream"])
 def test_overlapped_ddp_with_the_kernel_matches_torch_ddp(kernel):
     for res in dpcourse.run(ddp_with_kernel, kernel, world_size=GPUS, backend="nccl"):
         assert max(res["diffs"]) < 1e-4, res
+
+
+def test_on_comm_stream_reduces_a_cpu_tensor_by_a_direct_call():
+    from dpcourse.comm import OnCommStream
+    from dpcourse.comm.collective import sum_over_ranks
+
+    calls = []
+    x = torch.ones(3)
+    assert sum_over_ranks(x, all_reduce=OnCommStream(lambda t, group=None: calls.append(t)),
+                          async_op=True) is None
+    assert calls == [x]
+
+
+@pytest.mark.gpu
+def test_on_comm_stream_runs_after_the_callers_work_and_before_what_waits():
+    """The all-reduce runs on another stream, after what the caller queued, before what waits."""
+    from dpcourse.comm import OnCommStream
+    from dpcourse.comm.collective import sum_over_ranks
+
+    streams = []
+
+    def doubling(tensor, group=None):  # stands in for a kernel: enqueues on the current stream
+        streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(10**7)  # a slow reduction: a missing wait would read too early
+        tensor.mul_(2)
+
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda._sleep(10**7)  # the caller's work is still running when the call is made ...
+    x.fill_(3)
+    work = sum_over_ranks(x, all_reduce=OnCommStream(doubling), async_op=True)
+    assert streams[0] != torch.cuda.current_stream()
+    work.wait()
+    assert torch.equal(x, torch.full_like(x, 6.0))  # ... and the reduction came after it
 
 
 # -- the exercise's plumbing, on the CPU ---------------------------------------------------

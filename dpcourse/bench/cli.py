@@ -100,7 +100,8 @@ def add_parser(sub) -> None:
                    default=["local", "naive", "bucketed", "overlapped", "torch_ddp"],
                    help="also: zero1, zero2, fsdp, torch_fsdp (sharded data parallelism); "
                    "on GPUs joined by NVLink overlapped_one_shot, overlapped_two_shot (our "
-                   "wrapper with the NVLink kernels)")
+                   "wrapper with the NVLink kernels) and the same with _comm_stream (the kernels "
+                   "on a communication stream)")
     p.add_argument("--sweep-caps", type=comma_list(nonnegative_mib), default=[0, 1, 5, 25, 100],
                    help="bucket sizes (MiB) for the bucket sweep; empty string to skip it")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"],

@@ -8,6 +8,8 @@ same step with no communication at all: the compute floor.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -20,7 +22,14 @@ from dpcourse.device import rank_device
 VARIANTS = ("local", "naive", "bucketed", "overlapped", "torch_ddp")
 # Also accepted (not in the default list): sharded data parallelism, see dpcourse.bench.sharded.
 SHARDED = ("zero1", "zero2", "fsdp", "torch_fsdp", "torch_fsdp_tuned")
-KERNEL_VARIANTS = ("overlapped_one_shot", "overlapped_two_shot")  # GPUs joined by NVLink only
+# Our wrapper with the NVLink kernels (GPUs joined by NVLink only): on the backward pass's
+# stream, and on a communication stream beside it (dpcourse.comm.OnCommStream).
+KERNEL_VARIANTS = ("overlapped_one_shot", "overlapped_two_shot", "overlapped_one_shot_comm_stream",
+                   "overlapped_two_shot_comm_stream")
+# Two-shot's grid beside a backward pass: fewer blocks leave SMs to the backward kernels. GPT-2
+# small on 2 x H200, step time with 16, 32, 48, 64 blocks each below 128's in the same run, and
+# 48's level with dist.all_reduce's (docs/benchmarks.md, "... on a communication stream").
+COMM_STREAM_TWO_SHOT_BLOCKS = 48
 
 
 def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kwargs):
@@ -35,9 +44,14 @@ def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kw
     if variant == "overlapped":
         return ddp.DataParallelOverlapped(model, bucket_cap_mb=bucket_cap_mb, group=group)
     if variant in KERNEL_VARIANTS:  # our NVLink kernels plugged in through all_reduce= (GPU)
-        from dpcourse.comm import kernels
+        from dpcourse.comm import OnCommStream, kernels
 
-        fn = getattr(kernels, variant[len("overlapped_"):] + "_all_reduce")
+        kernel = variant.split("_")[1]  # one or two
+        fn = getattr(kernels, f"{kernel}_shot_all_reduce")
+        if variant.endswith("_comm_stream"):
+            if kernel == "two":
+                fn = functools.partial(fn, max_blocks=COMM_STREAM_TWO_SHOT_BLOCKS)
+            fn = OnCommStream(fn)
         return ddp.DataParallelOverlapped(model, bucket_cap_mb=bucket_cap_mb, group=group,
                                           all_reduce=fn)
     if variant == "torch_ddp":
