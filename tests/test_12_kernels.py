@@ -219,9 +219,9 @@ def test_a_plan_launches_only_calls_shaped_like_its_own(plans, monkeypatch):
         with pytest.raises(ValueError):
             call()
     assert len(launcher.launches) == 2
-    # The tensor was freed (its finalizer runs): no plan is left to launch on its address.
-    workspace._forget_symmetric(x.data_ptr())
-    assert not plans and x.data_ptr() not in workspace._SYMMETRIC
+    # The workspaces were released: no plan is left to launch on the address.
+    workspace.release_workspaces()
+    assert not plans
     with pytest.raises(ValueError, match="CUDA tensors"):
         two_shot_all_reduce(x)
     assert len(launcher.launches) == 2

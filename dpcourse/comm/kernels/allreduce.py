@@ -106,8 +106,8 @@ class _Plan:
     two halves (``tails[0]``, ``tails[1]``); a tensor in symmetric memory is its
     own buffer (both tails launch on it). Plans live in
     :data:`~dpcourse.comm.kernels.workspace.PLANS`, which is emptied whenever a
-    workspace is replaced or released or a symmetric tensor is freed: a plan
-    never outlives the memory its addresses point into.
+    workspace is replaced or released (a tensor in symmetric memory is never
+    freed): a plan never outlives the memory its addresses point into.
     """
 
     __slots__ = ("ws", "launcher", "c_launch", "grid", "tails", "device")

@@ -17,7 +17,6 @@ they are set otherwise; the kernels use plain loads, stores and atomics only
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -138,11 +137,11 @@ def _offsets(ptrs, rank: int, element_size: int, device) -> torch.Tensor:
 # Cached workspaces: {(group name, device index): Workspace}. A cache, not state the
 # results depend on: dropping it (release_workspaces) only costs a new rendezvous.
 _CACHE: dict = {}
-# Tensors that live in symmetric memory of their own: {data_ptr: Workspace}.
+# Tensors that live in symmetric memory of their own, for the whole process: {data_ptr: Workspace}.
 _SYMMETRIC: dict = {}
 # Launch plans of the all-reduce kernels (dpcourse.comm.kernels.allreduce keeps them here), each
 # bound to addresses in one workspace: emptied whenever a workspace is replaced or released and
-# whenever a symmetric tensor is made or freed, so a plan never launches on memory that moved.
+# whenever a symmetric tensor is made, so a plan never launches on memory that moved.
 PLANS: dict = {}
 
 
@@ -188,7 +187,11 @@ def symmetric_empty(numel: int, dtype: torch.dtype = torch.float32, group=None) 
     """Return an uninitialised 1-D tensor that lives in symmetric memory (collective).
 
     The two-shot kernel reduces such a tensor in place without copying it in
-    and out of a workspace (e.g. a DDP bucket allocated here).
+    and out of a workspace (e.g. a DDP bucket allocated here). The tensor and
+    its memory stay until the process ends: freeing symmetric memory that a
+    peer's kernel may still load from or store into needs every rank to agree
+    first (as :func:`get_workspace` waits before it replaces a workspace), and
+    these tensors have no collective release.
 
     Args:
         numel: number of elements.
@@ -198,16 +201,10 @@ def symmetric_empty(numel: int, dtype: torch.dtype = torch.float32, group=None) 
     device = torch.device("cuda", torch.cuda.current_device())
     element = torch.empty((), dtype=dtype).element_size()
     ws = Workspace(max(1, numel) * element, group, device)
-    tensor = ws.view(dtype, numel)
+    tensor = ws.view(dtype, numel)  # the workspace keeps it (and so itself) alive
     PLANS.clear()
     _SYMMETRIC[tensor.data_ptr()] = ws
-    weakref.finalize(tensor, _forget_symmetric, tensor.data_ptr())
     return tensor
-
-
-def _forget_symmetric(address: int) -> None:
-    _SYMMETRIC.pop(address, None)
-    PLANS.clear()
 
 
 def symmetric_allocation(tensor: torch.Tensor) -> Workspace | None:
