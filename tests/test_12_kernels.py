@@ -581,7 +581,8 @@ def test_on_comm_stream_reduces_a_cpu_tensor_by_a_direct_call():
 
 @pytest.mark.gpu
 def test_on_comm_stream_runs_after_the_callers_work_and_before_what_waits():
-    """The all-reduce runs on another stream, after what the caller queued, before what waits."""
+    """The all-reduce runs on another stream, after what the caller queued, before what waits;
+    every OnCommStream of the process shares that stream."""
     from dpcourse.comm import OnCommStream
     from dpcourse.comm.collective import sum_over_ranks
 
@@ -599,6 +600,8 @@ def test_on_comm_stream_runs_after_the_callers_work_and_before_what_waits():
     assert streams[0] != torch.cuda.current_stream()
     work.wait()
     assert torch.equal(x, torch.full_like(x, 6.0))  # ... and the reduction came after it
+    OnCommStream(doubling)(x)  # another wrapper: the same stream, so the calls keep their order
+    assert streams[1] == streams[0] and torch.equal(x, torch.full_like(x, 12.0))
 
 
 # -- the exercise's plumbing, on the CPU ---------------------------------------------------

@@ -44,6 +44,10 @@ def sum_over_ranks(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = No
     return None
 
 
+# The communication stream of each device, made at its first use: {device index: stream}.
+_COMM_STREAMS: dict = {}
+
+
 class StreamWork:
     """What :class:`OnCommStream` returns: ``wait()`` orders the current stream after the work."""
 
@@ -66,8 +70,10 @@ class OnCommStream:
     :class:`StreamWork` to ``wait()`` on before the result is read, as a
     wrapper waits on the handle of ``dist.all_reduce(..., async_op=True)``.
 
-    One communication stream per device, so that the calls keep their order
-    (the kernels rely on it). A CPU tensor is reduced by a direct call.
+    One communication stream per device, shared by every ``OnCommStream`` of the
+    process, so that the calls keep the order they were made in: the NVLink
+    kernels rely on it (make all of a process's calls of them through
+    ``OnCommStream``, or none). A CPU tensor is reduced by a direct call.
 
     Args:
         all_reduce: ``fn(tensor, group=None)`` summing in place by enqueueing GPU
@@ -76,7 +82,6 @@ class OnCommStream:
 
     def __init__(self, all_reduce: AllReduce):
         self.all_reduce = all_reduce
-        self._streams: dict[int, torch.cuda.Stream] = {}
 
     def __call__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                  async_op: bool = False) -> StreamWork | None:
@@ -84,9 +89,9 @@ class OnCommStream:
             self.all_reduce(tensor, group=group)
             return None
         device = tensor.device
-        comm = self._streams.get(device.index)
+        comm = _COMM_STREAMS.get(device.index)
         if comm is None:
-            comm = self._streams[device.index] = torch.cuda.Stream(device)
+            comm = _COMM_STREAMS[device.index] = torch.cuda.Stream(device)
         comm.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(comm):
             self.all_reduce(tensor, group=group)
