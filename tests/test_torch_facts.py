@@ -31,7 +31,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.algorithms import Join
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -1358,37 +1357,27 @@ class _CollectiveDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _fully_shard_bf16(rank: int, world: int, port: int, queue) -> None:
+def _fully_shard_bf16() -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                          reduce_dtype=torch.bfloat16))
-        with _CollectiveDtypes() as seen:
-            out = model(torch.randn(4, 8))
-            out.float().pow(2).mean().backward()
-        queue.put((rank, {"calls": seen.calls, "output": out.dtype,
-                          "shards": [(p.dtype, p.grad.to_local().dtype) for p in model.parameters()]}))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                      reduce_dtype=torch.bfloat16))
+    with _CollectiveDtypes() as seen:
+        out = model(torch.randn(4, 8))
+        out.float().pow(2).mean().backward()
+    return {"calls": seen.calls, "output": out.dtype,
+            "shards": [(p.dtype, p.grad.to_local().dtype) for p in model.parameters()]}
 
 
 def test_fully_shard_bf16_policy_reduces_gradients_in_bf16_into_fp32_shards():
     """param_dtype=reduce_dtype=bf16: gather and reduce-scatter move bf16, the fp32 shards get fp32 grads."""
-    world, ctx = 2, mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_fully_shard_bf16, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    for r in results.values():
+    # Ranks started by dpcourse.run: it tears the process group down before the ranks exit,
+    # and they skip the interpreter's finalization, where gloo's threads can abort a process.
+    results = dpcourse.run(_fully_shard_bf16, world_size=2, backend="gloo", device="cpu",
+                           timeout=240)
+    for r in results:
         ops = {name for name, _ in r["calls"]}
         assert {"_allgather_base_", "_reduce_scatter_base_"} <= ops, r["calls"]
         for name, dtypes in r["calls"]:
