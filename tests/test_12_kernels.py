@@ -290,7 +290,8 @@ def test_benchmarks_know_the_kernel_rows(monkeypatch):
     for variant in KERNEL_VARIANTS:
         fn = _wrap(variant, torch.nn.Linear(2, 2), torch.device("cpu"), 25.0, None,
                    None)["all_reduce"]
-        kernel = kernels.one_shot_all_reduce if "one_shot" in variant else kernels.two_shot_all_reduce
+        kernel = (kernels.one_shot_all_reduce if "one_shot" in variant
+                  else kernels.two_shot_all_reduce)
         if variant == "overlapped_two_shot_comm_stream":
             assert isinstance(fn, OnCommStream) and fn.all_reduce.func is kernel
             assert fn.all_reduce.keywords == {"max_blocks": COMM_STREAM_TWO_SHOT_BLOCKS}
@@ -477,21 +478,21 @@ def test_kernels_stay_correct_over_1000_back_to_back_calls():
 
 
 def launch_entries() -> dict:
-    """Each entry into Triton's launcher that DirectLaunch may take, over 300 mixed calls."""
+    """Each way DirectLaunch may launch (Triton's C launcher, its runner): 300 mixed calls."""
     import triton
 
     from dpcourse.comm.kernels import triton_allreduce as tk
     from dpcourse.comm.kernels.workspace import PLANS
 
     out, known = {}, tk.C_LAUNCH_VERSIONS
-    for entry, versions in (("c", known), ("object", ())):
+    for entry, versions in (("c", known), ("runner", ())):
         tk.C_LAUNCH_VERSIONS = versions  # read when a launcher is made
         tk._LAUNCHERS.clear()
         PLANS.clear()
         wrong = mixed_back_to_back(300)
-        runs = [launcher.compiled.run for launcher in tk._LAUNCHERS.values()]
-        took = {"c" if l.c_launch is r.launch else "object" if l.c_launch is r else "?"
-                for l, r in zip(tk._LAUNCHERS.values(), runs)}
+        took = {"c" if launcher.c_launch is launcher.compiled.run.launch
+                else "runner" if launcher.c_launch.__name__ == "through_runner" else "?"
+                for launcher in tk._LAUNCHERS.values()}
         out[entry] = (wrong, took)
     tk.C_LAUNCH_VERSIONS = known
     out["this_triton_is_known"] = triton.__version__.startswith(known)
@@ -499,13 +500,13 @@ def launch_entries() -> dict:
 
 
 @pytest.mark.gpu(2)
-def test_both_entries_into_tritons_launcher_reduce_correctly():
-    """The C entry (the Triton versions checked) and the launcher object's (any other)."""
+def test_the_c_launcher_and_tritons_runner_both_reduce_correctly():
+    """The C launcher (the Triton versions checked) and Triton's runner (any other)."""
     for rank, res in enumerate(dpcourse.run(launch_entries, world_size=GPUS, backend="nccl",
                                             timeout=600)):
-        assert res["c"][0] == [] and res["object"][0] == [], f"rank {rank}: {res}"
-        assert res["object"][1] == {"object"}
-        assert res["c"][1] == ({"c"} if res["this_triton_is_known"] else {"object"})
+        assert res["c"][0] == [] and res["runner"][0] == [], f"rank {rank}: {res}"
+        assert res["runner"][1] == {"runner"}
+        assert res["c"][1] == ({"c"} if res["this_triton_is_known"] else {"runner"})
 
 
 def zero_copy() -> list:

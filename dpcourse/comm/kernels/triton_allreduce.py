@@ -184,8 +184,8 @@ def empty_kernel(x, buf, buf_deltas, pad, pad_deltas, numel, slice_len,
     pass
 
 
-# Triton versions whose compiled launcher DirectLaunch calls by its C entry point (checked on
-# GPUs: tests/test_12_kernels.py); any other version goes through the launcher's Python entry.
+# Triton versions whose C launcher DirectLaunch calls directly (checked on GPUs:
+# tests/test_12_kernels.py); any other version launches through Triton's runner.
 C_LAUNCH_VERSIONS = ("3.6.",)
 
 
@@ -196,10 +196,11 @@ class DirectLaunch:
     launch before its C launcher does (it asks the compiled kernel for launch
     metadata, among other things). On a small all-reduce that costs the host
     microseconds, about as long as the kernel takes. Here the launch goes
-    straight to the C launcher (for a Triton in :data:`C_LAUNCH_VERSIONS` and a
-    kernel that needs no scratch memory; otherwise to the launcher object), with
-    no launch metadata and no hooks: tools that register Triton launch hooks do
-    not see these launches.
+    straight to the C launcher, with no launch metadata and no hooks (tools that
+    register Triton launch hooks do not see these launches), for a Triton in
+    :data:`C_LAUNCH_VERSIONS` and a kernel that needs no scratch memory. The C
+    launcher's arguments are private to Triton and change between versions, so
+    any other version launches through the runner, as slowly but correctly.
 
     Call ``launch(*args, stream=stream)``; or, for a launch repeated on the same
     arguments, ``launch.c_launch(launch.grid, 1, 1, stream, *launch.bind(*args))``.
@@ -220,8 +221,12 @@ class DirectLaunch:
             self.head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None,
                          None, compiled.packed_metadata, None, None, None)
         else:
-            self.c_launch = run
-            self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+            runner = compiled[(grid, 1, 1)]
+
+            def through_runner(grid_x, grid_y, grid_z, stream, *args):
+                runner(*args, stream=stream)
+
+            self.c_launch, self.head = through_runner, ()
 
     def bind(self, *args) -> tuple:
         """Return what follows the stream in ``c_launch``'s arguments for a launch on ``args``."""
