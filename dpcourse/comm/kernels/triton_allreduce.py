@@ -200,7 +200,7 @@ class DirectLaunch:
     register Triton launch hooks do not see these launches), for a Triton in
     :data:`C_LAUNCH_VERSIONS` and a kernel that needs no scratch memory. The C
     launcher's arguments are private to Triton and change between versions, so
-    any other version launches through the runner, as slowly but correctly.
+    any other version launches through the runner: correct, at the runner's cost.
 
     Call ``launch(*args, stream=stream)``; or, for a launch repeated on the same
     arguments, ``launch.c_launch(launch.grid, 1, 1, stream, *launch.bind(*args))``.
@@ -211,10 +211,10 @@ class DirectLaunch:
     head: tuple  # what comes between the stream and the kernel's arguments
 
     def __init__(self, compiled, grid: int):
-        run = compiled.run  # the launcher object (loads the binary on first use)
         self.compiled, self.grid = compiled, grid  # Triton's own launch: compiled[(grid, 1, 1)]
-        if (triton.__version__.startswith(C_LAUNCH_VERSIONS) and not run.global_scratch_size
-                and not run.profile_scratch_size):
+        # the launcher object, read only from a version known to have it (it loads the binary)
+        run = compiled.run if triton.__version__.startswith(C_LAUNCH_VERSIONS) else None
+        if run is not None and not run.global_scratch_size and not run.profile_scratch_size:
             self.c_launch = run.launch
             # function, cooperative grid, programmatic dependent launch, global and profile
             # scratch, packed metadata, launch metadata, enter hook, exit hook
