@@ -7,6 +7,6 @@ from dpcourse.comm.ring import (ring_all_gather, ring_all_reduce, ring_reduce_sc
 from dpcourse.comm.sharding import chunk_size, shard_range
 from dpcourse.comm.trace import CommEvent, CommTrace
 
-__all__ = ["AllReduce", "OnCommStream", "CommTrace", "CommEvent", "naive_all_reduce", "all_reduce_per_tensor",
-           "chunk_size", "shard_range", "ring_step_chunks", "ring_reduce_scatter",
-           "ring_all_gather", "ring_all_reduce"]
+__all__ = ["AllReduce", "OnCommStream", "CommTrace", "CommEvent", "naive_all_reduce",
+           "all_reduce_per_tensor", "chunk_size", "shard_range", "ring_step_chunks",
+           "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]

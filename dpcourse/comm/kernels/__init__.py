@@ -23,7 +23,9 @@ __all__ = ["one_shot_all_reduce", "two_shot_all_reduce", "symmetric_empty",
 
 
 def kernel_source(name: str) -> str:
-    """Return the source of function or class ``name`` in the Triton kernels module (no Triton import).
+    """Return the source of function or class ``name`` in the Triton kernels module.
+
+    Read from the file, so Triton need not be importable (a CPU machine).
 
     Args:
         name: e.g. ``"block_barrier"``, ``"one_shot_kernel"``, ``"two_shot_kernel"``,

@@ -58,9 +58,8 @@ def bare_one_shot(x: torch.Tensor):
     ws = get_workspace(2 * n * element, None, x.device)
     block = ar.block_elems(x.dtype)
     grid = ar.grid_size(n, block, min(ar.ONE_SHOT_MAX_BLOCKS, ws.max_blocks))
-    half_len = (ws.nbytes // 2) // element
-    args = [(x, ws.view(x.dtype, n, offset=h * half_len), ws.deltas(element), ws.pad,
-             ws.pad_deltas, n, ws.rank, ws.world_size, block) for h in (0, 1)]
+    args = [(x, half, ws.deltas(element), ws.pad, ws.pad_deltas, n, ws.rank, ws.world_size, block)
+            for half in ws.halves(x.dtype, n)]
     compiled = tk.one_shot_kernel[(grid,)](*args[ws.calls % 2][:6], RANK=ws.rank,
                                            WORLD=ws.world_size, BLOCK=block,
                                            num_warps=ar.NUM_WARPS)

@@ -233,7 +233,7 @@ class DirectLaunch:
         return (*self.head, *args)
 
     def __call__(self, *args, stream: int) -> None:
-        self.c_launch(self.grid, 1, 1, stream, *self.head, *args)
+        self.c_launch(self.grid, 1, 1, stream, *self.bind(*args))
 
 
 # Launchers of compiled kernels, keyed by everything Triton specialises a kernel on.
