@@ -56,6 +56,24 @@ def test_simulated_kernel_sums_under_any_interleaving(kind, world, n):
         assert m.pad_is_clear(), "every flag must be taken down by its receiver"
 
 
+def test_simulated_barrier_raises_and_takes_its_flags_in_any_order():
+    # The kernel gives each peer's flag its own thread: on 3 ranks, rank 0's block raises its two
+    # flags in either order, and takes the two it receives in either order, and still sums right.
+    def order(m, op):
+        return tuple(int(line.split("peer ")[1]) for line in m.log
+                     if line.startswith("rank 0 block 0: " + op))
+    sends, waits = set(), set()
+    for seed in range(30):
+        m, results = simulate([_inputs(0, r, 4) for r in range(3)], "one_shot", seed=seed)
+        assert _wrong_calls(results, 3, 4) == 0 and m.pad_is_clear()
+        sends.add(order(m, "send"))
+        waits.add(order(m, "wait"))
+        log = [line for line in m.log if line.startswith("rank 0 block 0")]
+        last_send = max(i for i, line in enumerate(log) if ": send" in line)
+        assert all(i > last_send for i, line in enumerate(log) if ": wait" in line)
+    assert sends == {(1, 2), (2, 1)} and waits == {(1, 2), (2, 1)}
+
+
 @pytest.mark.parametrize("kind", ["one_shot", "two_shot"])
 @pytest.mark.parametrize("broken", [{"barrier": False}, {"release": False}])
 def test_simulated_kernel_races_without_the_protocol(kind, broken):

@@ -2,9 +2,11 @@
 
 The model holds what the kernels touch, per rank: the input tensor, the
 symmetric buffer and the signal pad. A seeded scheduler picks, at every
-step, one block of any rank whose next step can run (a ``send`` into a full
-flag slot or a ``wait`` on an empty one spins), the way the GPUs give no
-order between ranks. With ``release=False`` flags are set with relaxed
+step, one step that can run, of any block of any rank (a ``send`` into a
+full flag slot or a ``wait`` on an empty one spins), the way the GPUs give
+no order between ranks. A block's steps run in order, except a barrier's
+sends (and then its waits), which run in any order: the kernel gives each
+peer's flag its own thread (:func:`runnable`). With ``release=False`` flags are set with relaxed
 atomics: a block's stores to symmetric buffers stay pending until the
 scheduler lets them land, so a peer can see a flag before the data it
 announces.
@@ -12,6 +14,7 @@ announces.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -46,6 +49,23 @@ def is_ready(m: Machine, s: Step) -> bool:
     if s.op == "wait":
         return m.flags[s.rank].get((s.block, s.peer), 0) == 1
     return True
+
+
+def runnable(m: Machine, queue: list[Step]) -> list[int]:
+    """Return the positions in a block's ``queue`` of the steps that can run now.
+
+    The first step, if it is ready; but when the queue starts with a barrier's
+    sends (or its waits), any of them that is ready: each peer's flag has a
+    thread of its own, so they go in any order and a thread that spins holds
+    up no other. The waits begin only once every send is done.
+    """
+    if not queue:
+        return []
+    head = queue[0].op
+    if head not in ("send", "wait"):
+        return [0] if is_ready(m, queue[0]) else []
+    lanes = list(itertools.takewhile(lambda s: s.op == head, queue))
+    return [i for i, s in enumerate(lanes) if is_ready(m, s)]
 
 
 def drain(m: Machine, rank: int, block: int, count: int | None = None) -> None:
@@ -175,17 +195,17 @@ def simulate(inputs: list[list[float]], kind="one_shot", *, calls: int = 1,
                 if call[r] < calls:  # stream order: its next call starts now
                     m.inputs[r][:] = next_inputs(call[r], r)
                     queues[r] = _queues(plan_of(call[r]), r)
-            ready += [(r, b) for b, q in queues[r].items() if q and is_ready(m, q[0])]
-            ready += [(r, -1 - b) for (rr, b), q in m.pending.items() if rr == r and q]
+            ready += [(r, b, i) for b, q in queues[r].items() for i in runnable(m, q)]
+            ready += [(r, b, None) for (rr, b), q in m.pending.items() if rr == r and q]
         if not ready:
             if all(c == calls for c in call):
                 return m, results
             raise RuntimeError("deadlock: every live block is spinning on a flag.")
-        r, b = rng.choice(ready)
-        if b < 0:  # one in-flight store of block -1 - b reaches memory
-            drain(m, r, -1 - b, 1)
+        r, b, i = rng.choice(ready)
+        if i is None:  # one in-flight store of block b reaches memory
+            drain(m, r, b, 1)
         else:
-            apply_step(m, queues[r][b].pop(0), kinds[call[r]], release)
+            apply_step(m, queues[r][b].pop(i), kinds[call[r]], release)
 
 
 def _queues(plan: dict, rank: int) -> dict[int, list[Step]]:

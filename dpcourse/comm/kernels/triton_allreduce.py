@@ -22,7 +22,10 @@ peer's slot with **release** semantics at **system** scope; *wait* is a
 compare-and-swap 1 -> 0 on one's own slot with **acquire** semantics at
 system scope. A sender whose previous message has not been taken yet spins
 until it has, so slots never overflow, and every slot is 0 again after each
-barrier: nothing needs resetting between calls.
+barrier: nothing needs resetting between calls. A block raises its flags on
+all peers at once, one thread per peer, then takes the flags it receives at
+once: with N ranks, a compare-and-swap on a peer's memory waits for its
+answer over NVLink, and N - 1 of them in turn cost N - 1 such waits.
 
 Memory-ordering argument (the same in both kernels). Stores made by any
 thread of block ``b`` before the barrier are ordered before the releasing
@@ -43,34 +46,54 @@ import triton.language as tl
 
 
 @triton.jit
-def send_signal(pad, peer_delta, slot):
-    """Raise flag ``slot`` on the peer's pad (``pad + peer_delta``); spin while it is still up."""
+def send_signal(flags, todo):
+    """Raise the flag at each lane's pointer in ``flags`` whose lane is in ``todo``, all at once.
+
+    A lane spins while its flag is still up (the peer has not taken the last
+    one yet); a lane that has raised its flag is left alone (its compare value
+    becomes -1, which no flag ever holds), so it never raises a second one.
+    """
     # release: every store this thread observed before (the whole block's, after
     # bar.sync) is visible to whoever acquires this flag.
-    old = tl.atomic_cas(pad + peer_delta + slot, 0, 1, sem="release", scope="sys")
-    while old != 0:
-        old = tl.atomic_cas(pad + peer_delta + slot, 0, 1, sem="release", scope="sys")
+    up = tl.full(todo.shape, 1, tl.int32)
+    while tl.max(todo.to(tl.int32), 0) > 0:
+        old = tl.atomic_cas(flags, tl.where(todo, 0, -1), up, sem="release", scope="sys")
+        todo = todo & (old != 0)
 
 
 @triton.jit
-def wait_signal(pad, slot):
-    """Wait until flag ``slot`` of this rank's pad is up, and take it down."""
+def wait_signal(flags, todo):
+    """Wait until each flag in ``flags`` whose lane is in ``todo`` is up; take it down, all at once.
+
+    A lane that has taken its flag is left alone (compare value -1), so it
+    cannot take the flag a peer raises for the next barrier.
+    """
     # acquire: no load or store after this may be performed before the flag was seen.
-    old = tl.atomic_cas(pad + slot, 1, 0, sem="acquire", scope="sys")
-    while old != 1:
-        old = tl.atomic_cas(pad + slot, 1, 0, sem="acquire", scope="sys")
+    down = tl.zeros(todo.shape, tl.int32)
+    while tl.max(todo.to(tl.int32), 0) > 0:
+        old = tl.atomic_cas(flags, tl.where(todo, 1, -1), down, sem="acquire", scope="sys")
+        todo = todo & (old != 1)
 
 
 @triton.jit
 def block_barrier(pad, pad_deltas, block, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Block ``block`` of this rank meets block ``block`` of every other rank."""
-    tl.debug_barrier()  # every thread's earlier stores are issued before the release below
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            send_signal(pad, tl.load(pad_deltas + p), block * WORLD + RANK)
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            wait_signal(pad, block * WORLD + p)
+    """Block ``block`` of this rank meets block ``block`` of every other rank.
+
+    One lane per rank, each handled by its own thread: the flags to every peer
+    go out at once, not one after another, and then the flags from every peer
+    are awaited at once. The lane of this rank (and the lanes past ``WORLD``:
+    a lane count is a power of two) points at this rank's own slot, which no
+    one raises, and does nothing.
+    """
+    LANES: tl.constexpr = (2 if WORLD <= 2 else 4 if WORLD <= 4 else 8 if WORLD <= 8
+                           else 16 if WORLD <= 16 else 32 if WORLD <= 32 else 64)
+    p = tl.arange(0, LANES)
+    peers = (p != RANK) & (p < WORLD)
+    # slot block * WORLD + sender on the receiver's pad; idle lanes: slot (block, RANK) here
+    deltas = tl.load(pad_deltas + p, mask=peers, other=0)
+    tl.debug_barrier()  # every thread's earlier stores are issued before the releases below
+    send_signal(pad + deltas + block * WORLD + RANK, peers)
+    wait_signal(pad + block * WORLD + tl.where(peers, p, RANK), peers)
     tl.debug_barrier()  # every thread's later loads come after the acquires above
 
 
