@@ -185,7 +185,7 @@ def simulate(inputs: list[list[float]], kind="one_shot", *, calls: int = 1,
     results: list[list] = [[None] * world for _ in range(calls)]
     queues = [_queues(plan_of(0), r) for r in range(world)]
     while True:
-        ready = []
+        ready: list[tuple[int, int, int | None]] = []
         for r in range(world):
             if not any(queues[r].values()) and call[r] < calls:
                 for pid in queues[r]:  # the kernel has ended: all its stores are visible
