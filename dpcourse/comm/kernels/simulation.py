@@ -6,10 +6,10 @@ step, one step that can run, of any block of any rank (a ``send`` into a
 full flag slot or a ``wait`` on an empty one spins), the way the GPUs give
 no order between ranks. A block's steps run in order, except a barrier's
 sends (and then its waits), which run in any order: the kernel gives each
-peer's flag its own thread (:func:`runnable`). With ``release=False`` flags are set with relaxed
-atomics: a block's stores to symmetric buffers stay pending until the
-scheduler lets them land, so a peer can see a flag before the data it
-announces.
+peer's flag its own thread (:func:`runnable`). With ``release=False`` flags
+are set with relaxed atomics: a block's stores to symmetric buffers stay
+pending until the scheduler lets them land, so a peer can see a flag before
+the data it announces.
 """
 
 from __future__ import annotations
