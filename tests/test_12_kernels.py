@@ -321,6 +321,44 @@ def test_benchmarks_know_the_kernel_rows(monkeypatch):
         _wrap("overlapped_three_shot", torch.nn.Linear(2, 2), torch.device("cpu"), 25.0, None, None)
 
 
+def test_a_kernel_variant_takes_its_grid_cap_from_its_name(monkeypatch, capsys, tmp_path):
+    from dpcourse import cli, ddp
+    from dpcourse.bench.ddp import kernel_variant, _wrap
+    from dpcourse.comm import OnCommStream, kernels
+
+    assert kernel_variant("overlapped_two_shot_comm_stream_32_blocks") == (
+        "overlapped_two_shot_comm_stream", 32)
+    assert kernel_variant("overlapped_one_shot") == ("overlapped_one_shot", None)
+    for name in ("overlapped_two_shot_0_blocks", "overlapped_two_shot_x_blocks",
+                 "overlapped_32_blocks", "overlapped", "zero1", "overlapped_two_shot_blocks"):
+        assert kernel_variant(name) is None, name
+    monkeypatch.setattr(ddp, "DataParallelOverlapped", lambda model, **kwargs: kwargs)
+
+    def wrapped(variant):
+        return _wrap(variant, torch.nn.Linear(2, 2), torch.device("cpu"), 25.0, None,
+                     None)["all_reduce"]
+    fn = wrapped("overlapped_two_shot_comm_stream_32_blocks")
+    assert isinstance(fn, OnCommStream) and fn.all_reduce.func is kernels.two_shot_all_reduce
+    assert fn.all_reduce.keywords == {"max_blocks": 32}
+    fn = wrapped("overlapped_one_shot_16_blocks")
+    assert fn.func is kernels.one_shot_all_reduce and fn.keywords == {"max_blocks": 16}
+    # The command refuses a name that is no variant before it starts any rank.
+    assert cli.main(["bench", "ddp", "--variants", "overlapped,overlapped_four_shot_8_blocks",
+                     "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'overlapped_four_shot_8_blocks'" in err and "'overlapped'" not in err
+
+    class Started(Exception):
+        pass
+
+    def start(*args, **kwargs):
+        raise Started(args[1])
+    monkeypatch.setattr(dpcourse, "run", start)
+    with pytest.raises(Started, match="overlapped_two_shot_comm_stream_32_blocks"):
+        cli.main(["bench", "ddp", "--out", str(tmp_path),
+                  "--variants", "overlapped,overlapped_two_shot_comm_stream_32_blocks"])
+
+
 def test_multicast_stays_off(monkeypatch):
     from dpcourse.comm.kernels import require_multicast_off
 

@@ -101,7 +101,8 @@ def add_parser(sub) -> None:
                    help="also: zero1, zero2, fsdp, torch_fsdp (sharded data parallelism); "
                    "on GPUs joined by NVLink overlapped_one_shot, overlapped_two_shot (our "
                    "wrapper with the NVLink kernels) and the same with _comm_stream (the kernels "
-                   "on a communication stream)")
+                   "on a communication stream); a kernel variant ending in _<N>_blocks caps "
+                   "the kernel's grid at N blocks")
     p.add_argument("--sweep-caps", type=comma_list(nonnegative_mib), default=[0, 1, 5, 25, 100],
                    help="bucket sizes (MiB) for the bucket sweep; empty string to skip it")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"],
@@ -166,8 +167,10 @@ def out_dir(out: str | None, cwd: str | None = None) -> str:
     return out
 
 
-def _check_names(flag: str, names: list[str], allowed: tuple[str, ...]) -> None:
-    wrong = [n for n in names if n not in allowed]
+def _check_names(flag: str, names: list[str], allowed: tuple[str, ...],
+                 accepts=lambda name: False) -> None:
+    """Raise a UsageError for a name neither in ``allowed`` nor taken by ``accepts``, or none."""
+    wrong = [n for n in names if n not in allowed and not accepts(n)]
     if wrong or not names:
         raise UsageError(f"{flag}: unknown {', '.join(map(repr, wrong)) or 'empty list'}; "
                          f"choose from {', '.join(allowed)}")
@@ -253,10 +256,11 @@ def run_ddp(args: argparse.Namespace) -> int:
     from dpcourse.bench.report import environment, write_results
     from dpcourse.formatting import format_table
 
-    from dpcourse.bench.ddp import KERNEL_VARIANTS, SHARDED, VARIANTS
+    from dpcourse.bench.ddp import KERNEL_VARIANTS, SHARDED, VARIANTS, kernel_variant
 
     backend, world_size = _backend(args)
-    _check_names("--variants", args.variants, VARIANTS + SHARDED + KERNEL_VARIANTS)
+    _check_names("--variants", args.variants, VARIANTS + SHARDED + KERNEL_VARIANTS,
+                 accepts=lambda name: kernel_variant(name) is not None)
     common = dict(config=args.config, batch_size=args.batch_size, warmup=args.warmup,
                   iters=args.iters or 10, amp=args.amp)
     settings = dict(common, variants=args.variants, bucket_cap_mb=args.bucket_cap_mb,

@@ -32,6 +32,20 @@ KERNEL_VARIANTS = ("overlapped_one_shot", "overlapped_two_shot", "overlapped_one
 COMM_STREAM_TWO_SHOT_BLOCKS = 48
 
 
+def kernel_variant(variant: str) -> tuple[str, int | None] | None:
+    """Split a kernel variant's name into the variant and its grid cap; ``None`` if not one.
+
+    ``"overlapped_two_shot_comm_stream"`` -> ``("overlapped_two_shot_comm_stream", None)``;
+    ``"overlapped_two_shot_comm_stream_32_blocks"`` -> ``(..., 32)``: the same variant with
+    the kernel capped at 32 blocks, so that one run can compare several caps, interleaved.
+    """
+    base, blocks = variant, None
+    parts = variant.rsplit("_", 2)
+    if len(parts) == 3 and parts[2] == "blocks" and parts[1].isdigit() and int(parts[1]) > 0:
+        base, blocks = parts[0], int(parts[1])
+    return (base, blocks) if base in KERNEL_VARIANTS else None
+
+
 def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kwargs):
     from dpcourse import ddp
 
@@ -43,14 +57,18 @@ def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kw
         return ddp.DataParallelBucketed(model, bucket_cap_mb=bucket_cap_mb, group=group)
     if variant == "overlapped":
         return ddp.DataParallelOverlapped(model, bucket_cap_mb=bucket_cap_mb, group=group)
-    if variant in KERNEL_VARIANTS:  # our NVLink kernels plugged in through all_reduce= (GPU)
+    split = kernel_variant(variant)
+    if split is not None:  # our NVLink kernels plugged in through all_reduce= (GPU)
         from dpcourse.comm import OnCommStream, kernels
 
-        kernel = variant.split("_")[1]  # one or two
+        base, blocks = split
+        kernel = base.split("_")[1]  # one or two
         fn = getattr(kernels, f"{kernel}_shot_all_reduce")
-        if variant.endswith("_comm_stream"):
-            if kernel == "two":
-                fn = functools.partial(fn, max_blocks=COMM_STREAM_TWO_SHOT_BLOCKS)
+        if blocks is None and kernel == "two" and base.endswith("_comm_stream"):
+            blocks = COMM_STREAM_TWO_SHOT_BLOCKS
+        if blocks is not None:
+            fn = functools.partial(fn, max_blocks=blocks)
+        if base.endswith("_comm_stream"):
             fn = OnCommStream(fn)
         return ddp.DataParallelOverlapped(model, bucket_cap_mb=bucket_cap_mb, group=group,
                                           all_reduce=fn)
@@ -62,7 +80,8 @@ def _wrap(variant: str, model, device, bucket_cap_mb: float, group, torch_ddp_kw
         return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb or 1e-9,
                                        process_group=group, **(torch_ddp_kwargs or {}))
     raise ValueError(f"unknown variant {variant!r}: choose from "
-                     f"{VARIANTS + SHARDED + KERNEL_VARIANTS}.")
+                     f"{VARIANTS + SHARDED + KERNEL_VARIANTS} (a kernel variant may end in "
+                     "_<N>_blocks, e.g. overlapped_two_shot_comm_stream_32_blocks).")
 
 
 def _n_buckets(wrapped):
@@ -148,7 +167,8 @@ def ddp_step_times(variants=VARIANTS, *, config: str = "auto", batch_size: int |
 
     Args:
         variants: names from ``("local", "naive", "bucketed", "overlapped", "torch_ddp")``,
-            and on GPUs joined by NVLink :data:`KERNEL_VARIANTS`.
+            and on GPUs joined by NVLink :data:`KERNEL_VARIANTS` (each also with a grid cap:
+            ``"overlapped_two_shot_comm_stream_32_blocks"``, see :func:`kernel_variant`).
         config: ``"gpt2_small"`` (~124M parameters), ``"tiny"``, or ``"auto"`` (GPT-2 small
             on GPU, tiny on CPU).
         batch_size: sequences per rank per step (default 8; sequence length is the config's).
