@@ -413,7 +413,9 @@ def test_tritons_launcher_asks_a_tensor_for_its_pointer_and_checks_it_but_not_an
     for _ in range(2):
         launch(*args, 0, 2, 16, False)
     assert len(asked) == 2
-    direct = tk.DirectLaunch(compiled, 1)
+    from dpcourse.comm.kernels.triton_launch import DirectLaunch
+
+    direct = DirectLaunch(compiled, 1)
     for _ in range(2):
         direct(*args, 0, 2, 16, False, stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
@@ -537,7 +539,7 @@ def launch_entries() -> dict:
     """Each way DirectLaunch may launch (Triton's C launcher, its runner): 300 mixed calls."""
     import triton
 
-    from dpcourse.comm.kernels import triton_allreduce as tk
+    from dpcourse.comm.kernels import triton_launch as tk
     from dpcourse.comm.kernels.workspace import PLANS
 
     out, known = {}, tk.C_LAUNCH_VERSIONS

@@ -23,9 +23,10 @@ __all__ = ["one_shot_all_reduce", "two_shot_all_reduce", "symmetric_empty",
 
 
 def kernel_source(name: str) -> str:
-    """Return the source of function or class ``name`` in the Triton kernels module.
+    """Return the source of function or class ``name`` in the Triton kernels or their launcher.
 
-    Read from the file, so Triton need not be importable (a CPU machine).
+    Read from the files (``triton_allreduce.py``, ``triton_launch.py``), so Triton
+    need not be importable (a CPU machine).
 
     Args:
         name: e.g. ``"block_barrier"``, ``"one_shot_kernel"``, ``"two_shot_kernel"``,
@@ -34,10 +35,11 @@ def kernel_source(name: str) -> str:
     import ast
     import pathlib
 
-    path = pathlib.Path(__file__).with_name("triton_allreduce.py")
-    text = path.read_text()
-    for node in ast.parse(text).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
-            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-            return "\n".join(text.splitlines()[start - 1:node.end_lineno])
-    raise ValueError(f"no function or class {name!r} in {path.name}.")
+    files = ("triton_allreduce.py", "triton_launch.py")
+    for path in (pathlib.Path(__file__).with_name(f) for f in files):
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+                start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                return "\n".join(text.splitlines()[start - 1:node.end_lineno])
+    raise ValueError(f"no function or class {name!r} in {' or '.join(files)}.")

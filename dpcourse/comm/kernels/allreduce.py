@@ -82,12 +82,13 @@ def _launch_shape(length: int, dtype: torch.dtype, max_blocks: int,
 
 
 def _kernels():
+    """Return the module that launches the kernels (imports Triton: a CUDA machine only)."""
     try:
-        from dpcourse.comm.kernels import triton_allreduce
+        from dpcourse.comm.kernels import triton_launch
     except ImportError as err:  # pragma: no cover - depends on the install
         raise RuntimeError("the NVLink kernels need Triton (installed with PyTorch's CUDA "
                            f"wheels): {err}") from err
-    return triton_allreduce
+    return triton_launch
 
 
 class _Plan:

@@ -142,7 +142,7 @@ def triton_runner(x: torch.Tensor):
 
     ``compiled[(grid, 1, 1)](*args, stream=stream)`` with the plan's arguments: how
     the plans launched before they called the launcher directly
-    (:class:`~dpcourse.comm.kernels.triton_allreduce.DirectLaunch`).
+    (:class:`~dpcourse.comm.kernels.triton_launch.DirectLaunch`).
     """
     plan = _plan_of(x)
     launcher, device = plan.launcher, plan.device
