@@ -18,6 +18,7 @@ import argparse
 import copy
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from dpcourse.device import rank_device
 from dpcourse.launch import resolve_backend
+from dpcourse.launch.teardown import destroy_and_exit
 
 WRAPPERS = ("DataParallelNaive", "DataParallelBucketed", "DataParallelOverlapped")
 
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Without RANK in the environment it starts local ranks itself and returns the exit
     status. Under torchrun, when it created the process group, it destroys it and ends
-    the process with ``os._exit(0)`` rather than returning (see the comment there).
+    the process with ``os._exit`` rather than returning: status 0, or 1 after printing
+    the traceback of what the rank raised (:func:`dpcourse.launch.teardown.destroy_and_exit`).
     """
     parser = argparse.ArgumentParser(prog="python -m dpcourse.demo",
                                      description=__doc__.splitlines()[0])
@@ -158,18 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         table = _run_rank(args.steps)
         if dist.get_rank() == 0:
             print(table, flush=True)
-    finally:
-        if owns_group:
-            dist.destroy_process_group()  # a clean exit, no "process group not destroyed" warning
+    except BaseException:  # noqa: BLE001 - shown here, reported to torchrun as status 1
+        if not owns_group:
+            raise
+        traceback.print_exc()
+        destroy_and_exit(1)
     if owns_group:
-        # A controlled exit, as dpcourse.run's ranks make: skip interpreter finalization.
-        # destroy_process_group() does not stop gloo's worker threads, and one of them may
-        # still be releasing the last collective's tensors, which takes the GIL: during
-        # finalization that ends the thread inside a C++ destructor and aborts the process
-        # ("terminate called without an active exception", exit code -6).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        destroy_and_exit(0)  # skip interpreter finalization: see dpcourse.launch.teardown
     return 0
 
 

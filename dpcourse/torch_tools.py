@@ -16,6 +16,8 @@ import contextlib
 import os
 import sys
 import threading
+import traceback
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -172,9 +174,17 @@ def init_attempt_process_group(backend: str = "gloo") -> None:
                             rank=rank, world_size=world)
 
 
-def main(argv=None) -> int:
-    """Run :func:`train_resumable` as a torchrun worker; rank 0 saves the result to ``--out``."""
+def main(argv=None) -> NoReturn:
+    """Run :func:`train_resumable` as a torchrun worker; rank 0 saves the result to ``--out``.
+
+    A worker destroys its process group and ends with ``os._exit``: status 0 when it
+    finished, 1 (after printing the traceback) when it raised. It skips interpreter
+    finalization, where a gloo worker can abort with status -6
+    (:mod:`dpcourse.launch.teardown`), which torchrun would take for a failed attempt.
+    """
     import argparse
+
+    from dpcourse.launch.teardown import destroy_and_exit
 
     parser = argparse.ArgumentParser(description="a torchrun worker that resumes from its checkpoint")
     parser.add_argument("--steps", type=int, default=8)
@@ -193,10 +203,11 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         if dist.get_rank() == 0:
             torch.save(result, args.out)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    except BaseException:  # noqa: BLE001 - shown here, reported to torchrun as status 1
+        traceback.print_exc()
+        destroy_and_exit(1)
+    destroy_and_exit(0)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

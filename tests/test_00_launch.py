@@ -216,3 +216,31 @@ def test_worker_entry_point_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+TEARDOWN = """
+import atexit, sys
+import torch, torch.distributed as dist
+from dpcourse.launch.teardown import destroy_and_exit
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+t = torch.ones(3)
+dist.all_reduce(t)
+atexit.register(print, "interpreter finalized")
+print("summed", t.tolist())  # not flushed here: a pipe buffers it
+if sys.argv[1] == "broken":
+    def broken():
+        raise RuntimeError("destroy failed")
+    dist.destroy_process_group = broken
+destroy_and_exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("case, code, status", [("ok", 0, 0), ("ok", 5, 5), ("broken", 0, 1)])
+def test_destroy_and_exit_flushes_and_skips_finalization(case, code, status):
+    """A rank ends with its output flushed, its status kept, atexit skipped, a failed destroy shown."""
+    proc = subprocess.run([sys.executable, "-c", TEARDOWN, case, str(code)], capture_output=True,
+                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
+    assert proc.returncode == status, proc.stderr[-2000:]
+    assert "summed [1.0, 1.0, 1.0]" in proc.stdout
+    assert "interpreter finalized" not in proc.stdout
+    assert ("destroy failed" in proc.stderr) == (case == "broken")

@@ -286,6 +286,7 @@ WORKER = textwrap.dedent("""
     import os
     import sys
     import torch.distributed as dist
+    from dpcourse.launch.teardown import destroy_and_exit
     from dpcourse.torch_tools import init_attempt_process_group
     init_attempt_process_group("gloo")
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -294,7 +295,7 @@ WORKER = textwrap.dedent("""
     if restart == 0 and dist.get_rank() == 1:
         os._exit(1)
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_and_exit(0)  # no interpreter finalization, where gloo's threads can abort a worker
 """)
 
 

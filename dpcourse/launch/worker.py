@@ -15,7 +15,8 @@ Protocol with the launching process (see :mod:`dpcourse.launch.procs`):
   alive, so a peer still inside a collective keeps waiting (a hang the launcher
   can name) instead of failing with an echo such as "connection closed by peer";
 * the launcher writes ``exit`` on stdin once every rank has a result; the rank
-  then destroys its process group and leaves with ``os._exit``;
+  then destroys its process group and leaves with ``os._exit``
+  (:func:`dpcourse.launch.teardown.destroy_and_exit`);
 * EOF on stdin means the launcher died: the rank exits at once (and the launch's
   guard, :mod:`dpcourse.launch.guard`, ends what the rank started);
 * the rank reads that pipe through a private descriptor and its own stdin is
@@ -35,6 +36,8 @@ import sys
 import threading
 import time
 import traceback
+
+from dpcourse.launch.teardown import destroy_and_exit
 
 EXIT_PARENT_DIED = 3
 
@@ -209,23 +212,8 @@ def main(workdir: str, rank: int, parent_pid: int) -> None:
         release.wait()
         os._exit(1)
     release.wait()
-    # A controlled exit, once every rank is done: tear the process group down
-    # while the interpreter is intact, then skip finalization, where gloo
-    # threads still holding tensors can abort the process ("terminate called
-    # without an active exception").
-    code = 0
-    try:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported through the exit status
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    # Every rank is done: a controlled exit (see dpcourse.launch.teardown).
+    destroy_and_exit(0)
 
 
 if __name__ == "__main__":
