@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 # Jupyter refuses to run as root unless told (containers, cloud VMs often log in as root).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: course test test-gpu setup demo doctor exercises clean
+.PHONY: course test test-gpu kernel-ir setup demo doctor exercises clean
 
 # The version check stops before the download: on an older Python, torch and this package
 # would fail later and less clearly (pyproject.toml: requires-python).
@@ -43,6 +43,18 @@ test: setup  ## set up, type-check the algorithms, run every test and execute ev
 test-gpu: setup  ## run the course item by item on this machine's GPUs; writes hardware.json
 	$(PY) tests/hardware_matrix.py --out hardware.json
 
+# Without a GPU: compile lesson 12's Triton kernels to Triton IR (tests/test_12_kernel_ir.py)
+# with the Triton the GPU machines use, unpacked into .cache/ (the CPU build of torch has none).
+TRITON ?= triton==3.6.0
+TRITON_DIR := .cache/$(subst ==,-,$(TRITON))
+
+$(TRITON_DIR)/triton/__init__.py:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d $(TRITON_DIR)/wheel '$(TRITON)'
+	$(PY) -c 'import glob, sys, zipfile; zipfile.ZipFile(glob.glob(sys.argv[1] + "/wheel/*.whl")[0]).extractall(sys.argv[1])' $(TRITON_DIR)
+
+kernel-ir: setup $(TRITON_DIR)/triton/__init__.py  ## compile the Triton kernels to IR, no GPU needed
+	PYTHONPATH=$(TRITON_DIR) $(PY) -m pytest -p no:cacheprovider tests/test_12_kernel_ir.py
+
 demo: setup
 	$(VENV)/bin/dpcourse demo
 
@@ -53,4 +65,4 @@ exercises: setup  ## regenerate exercises/ from solutions/ (after editing a solu
 	$(PY) -m dpcourse.grading.make_exercises
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .cache
