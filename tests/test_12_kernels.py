@@ -378,10 +378,11 @@ def test_tritons_launcher_asks_a_tensor_for_its_pointer_and_checks_it_but_not_an
     """Why a plan passes integer addresses: what Triton's launcher does with each kind of argument;
     and why it skips Triton's runner: what the runner asks for at every launch.
 
-    Given an object with ``data_ptr()`` (a tensor), the compiled kernel's launcher calls it on
-    every launch and has the driver check the pointer (host memory is refused); given an
-    integer it launches with it unchecked. The kernel launched is empty, so the host address
-    passed as an integer is never touched.
+    Given an object with ``data_ptr()`` (a tensor) as any of the five pointer arguments, the
+    compiled kernel's launcher calls it on every launch and has the driver check the pointer
+    (host memory is refused, in every position); given an integer it launches with it
+    unchecked. The kernel launched is empty, so the host address passed as an integer is never
+    touched.
     """
     from dpcourse.comm.kernels import triton_allreduce as tk
 
@@ -391,18 +392,21 @@ def test_tritons_launcher_asks_a_tensor_for_its_pointer_and_checks_it_but_not_an
     launch = compiled[(1, 1, 1)]
 
     class Counted:
-        calls = 0
+        def __init__(self):
+            self.calls = 0
 
         def data_ptr(self):
-            Counted.calls += 1
+            self.calls += 1
             return x.data_ptr()
 
-    launch(Counted(), *args[1:], 0, 2, 16, False)
-    launch(Counted(), *args[1:], 0, 2, 16, False)
-    assert Counted.calls == 2, "data_ptr() is called at every launch"
+    counted = [Counted() for _ in range(5)]   # the kernel's five pointer arguments
+    launch(*counted, *args[5:], 0, 2, 16, False)
+    launch(*counted, *args[5:], 0, 2, 16, False)
+    assert [c.calls for c in counted] == [2] * 5, "data_ptr() of each, at every launch"
     host = torch.zeros(16)
-    with pytest.raises(ValueError, match="cannot be accessed from Triton"):
-        launch(host, *args[1:], 0, 2, 16, False)
+    for i in range(5):   # host memory is refused in any pointer position
+        with pytest.raises(ValueError, match=rf"\(at {i}\) cannot be accessed from Triton"):
+            launch(*args[:i], host, *args[i + 1:], 0, 2, 16, False)
     launch(host.data_ptr(), *args[1:], 0, 2, 16, False)   # an integer: not checked
     torch.cuda.synchronize()
 
@@ -420,6 +424,64 @@ def test_tritons_launcher_asks_a_tensor_for_its_pointer_and_checks_it_but_not_an
         direct(*args, 0, 2, 16, False, stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert len(asked) == 2
+
+
+@pytest.mark.gpu
+def test_a_post_accumulate_grad_hook_runs_on_the_stream_of_the_backward():
+    """Lesson 12, "What the kernels did to a DDP step": inside a parameter's post-accumulate-grad
+    hook (where a DDP wrapper launches a bucket's reduction) the current stream is the one the
+    forward and backward ran on, not the default stream."""
+    side = torch.cuda.Stream()
+    model = torch.nn.Linear(64, 64).cuda()
+    seen = []
+    model.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(torch.cuda.current_stream()))
+    x = torch.randn(8, 64, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(x).sum().backward()
+    torch.cuda.synchronize()
+    assert seen == [side] and side != torch.cuda.default_stream()
+
+
+def symm_mem_views() -> dict:
+    """What torch's symmetric memory reports on this rank: addresses, and its kernels' inputs."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from dpcourse.comm.kernels.workspace import require_multicast_off
+
+    require_multicast_off()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group_name = dist.group.WORLD.group_name
+    buf = symm_mem.empty(16, dtype=torch.float32, device=torch.device("cuda", rank))
+    handle = symm_mem.rendezvous(buf, group_name)
+    peer = (rank + 1) % world
+    refused = {}
+    for op in ("one_shot_all_reduce", "two_shot_all_reduce_"):
+        try:
+            getattr(torch.ops.symm_mem, op)(torch.ones(16, device=buf.device), "sum", group_name)
+            torch.cuda.synchronize()
+            refused[op] = False
+        except RuntimeError:
+            refused[op] = True
+    dist.barrier()
+    return dict(world=world, ptrs=len(handle.buffer_ptrs),
+                own=handle.buffer_ptrs[rank] == buf.data_ptr(),
+                peer=handle.get_buffer(peer, (16,), torch.float32).data_ptr()
+                == handle.buffer_ptrs[peer],
+                distinct=len(set(handle.buffer_ptrs)) == world, refused=refused)
+
+
+@pytest.mark.gpu(2)
+def test_buffer_ptrs_hold_each_ranks_buffer_and_torchs_kernels_refuse_an_ordinary_tensor():
+    """Lesson 12, "What a kernel can see of its peer's memory": handle.buffer_ptrs[p] is where
+    this GPU sees rank p's buffer (its own entry is the buffer's address, a peer's entry is the
+    address of that peer's buffer as get_buffer maps it); and both of torch's symmetric-memory
+    all-reduces, one_shot_all_reduce and two_shot_all_reduce_, refuse an ordinary tensor."""
+    for rank, res in enumerate(dpcourse.run(symm_mem_views, world_size=GPUS, backend="nccl")):
+        assert res["ptrs"] == res["world"] and res["own"] and res["peer"], (rank, res)
+        assert res["distinct"], (rank, res)
+        assert res["refused"] == {"one_shot_all_reduce": True, "two_shot_all_reduce_": True}, res
 
 
 KERNELS = {"one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce}

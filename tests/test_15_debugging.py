@@ -79,6 +79,19 @@ def _batched_exchange(group):
     return theirs.tolist()
 
 
+def _exchange_by_rank(group):
+    """Even ranks send first and then receive, odd ranks receive first and then send."""
+    rank = dist.get_rank()
+    mine, theirs, other = torch.full((2,), float(rank)), torch.zeros(2), 1 - rank
+    if rank % 2 == 0:
+        dist.send(mine, dst=other, group=group)
+        dist.recv(theirs, src=other, group=group)
+    else:
+        dist.recv(theirs, src=other, group=group)
+        dist.send(mine, dst=other, group=group)
+    return theirs.tolist()
+
+
 def _late_rank(group, late_s=2.5):
     if dist.get_rank() == 1:
         time.sleep(late_s)  # a slow step on one rank: a checkpoint write, a data stall
@@ -112,6 +125,7 @@ def _probe_plain():
         shape=_attempt(lambda: _shape(_group())),
         recv_first=_attempt(lambda: _recv_first(_group())),
         batched=_attempt(lambda: _batched_exchange(_group())),
+        by_rank=_attempt(lambda: _exchange_by_rank(_group())),
         monitored=_attempt(lambda: _monitored(_group(10))),
         short=_attempt(lambda: _late_rank(_group(1))),
         long=_attempt(lambda: _late_rank(_group(10))),
@@ -128,17 +142,21 @@ def _probe_detail():
 
 
 def _launch(probe, **env):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the ranks start with this environment
+    """Launch ``probe`` on 2 gloo ranks that start with ``env`` set (a value None: unset)."""
+    saved = {k: os.environ.pop(k, None) for k in env}
+    os.environ.update({k: v for k, v in env.items() if v is not None})
     try:
         return dpcourse.run(probe, world_size=2, backend="gloo", device="cpu", timeout=120)
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
 def plain():
+    # The flight recorder's size set, as in the lesson: no dependence on a version's default.
     return _launch(_probe_plain, TORCH_DISTRIBUTED_DEBUG="OFF", TORCH_FR_BUFFER_SIZE="100")
 
 
@@ -152,7 +170,8 @@ def test_skipped_collective_times_out_at_the_group_timeout(plain):
     until the group's timeout; gloo then raises a RuntimeError that names no rank."""
     waiting, skipper = plain[0]["skip"], plain[1]["skip"]
     assert skipper["error"] is None
-    assert "Timed out waiting 2000ms" in waiting["error"], waiting
+    assert waiting["error"].endswith("Timed out waiting 2000ms for recv operation to complete"), \
+        waiting
     assert "rank" not in waiting["error"].lower()
     assert TIMEOUT_S - 0.1 <= waiting["seconds"]
 
@@ -213,6 +232,14 @@ def test_both_ranks_receiving_first_deadlock_until_timeout(plain):
     assert [r["batched"]["result"] for r in plain] == [[1.0, 1.0], [0.0, 0.0]]
 
 
+def test_ordering_send_and_recv_by_rank_completes_the_exchange(plain):
+    """Lesson 15, section 5: ordering by rank (even ranks send first, odd ranks receive first)
+    fixes the deadlock: both ranks get the other's tensor, well inside the group's timeout."""
+    assert [r["by_rank"]["error"] for r in plain] == [None, None]
+    assert [r["by_rank"]["result"] for r in plain] == [[1.0, 1.0], [0.0, 0.0]]
+    assert all(r["by_rank"]["seconds"] < TIMEOUT_S / 2 for r in plain)
+
+
 def test_a_timeout_shorter_than_a_slow_step_fails_a_correct_program(plain):
     """Lesson 15, section 6: rank 1 reaches the all-reduce 2.5 s late: a 1 s group timeout fails
     rank 0, a 10 s one gives the sum on both ranks."""
@@ -221,8 +248,9 @@ def test_a_timeout_shorter_than_a_slow_step_fails_a_correct_program(plain):
 
 
 def test_gloo_flight_recorder_shows_the_rank_that_fell_behind(plain):
-    """Lesson 15, section 7: with TORCH_FR_BUFFER_SIZE set, torch records gloo collectives too;
-    each rank's record ends at its last collective's sequence number."""
+    """Lesson 15, section 7: the flight recorder (TORCH_FR_BUFFER_SIZE=100, as the lesson sets
+    it) records gloo collectives too; each rank's record ends at its last collective's sequence
+    number."""
     records = [r["flight"]["result"] for r in plain]
     assert records[0] == [(1, "gloo:all_reduce"), (2, "gloo:all_reduce")], records
     assert records[1] == [(1, "gloo:all_reduce")], records

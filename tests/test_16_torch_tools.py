@@ -235,8 +235,69 @@ def test_ddp_optimizer_splits_the_graph_at_bucket_boundaries(probes):
             assert sum(got) - len(got) == layers * 2   # every parameter once, plus each graph's input
 
 
+def _when_gradients_are_ready(optimize_ddp, layers=8):
+    """One compiled DDP step's backward, in order: each compiled graph's backward starting, and
+    each all-reduce DDP launches (with the layers of its bucket)."""
+    import torch._dynamo
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = optimize_ddp
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(_Net(layers), bucket_cap_mb=1)
+    layer_of = {id(p): i for i, layer in enumerate(ddp.module.layers) for p in layer.parameters()}
+    events = []
+
+    def hook(state, bucket):   # DDP calls it once a bucket's gradients are all ready
+        events.append(("all_reduce", sorted({layer_of[id(p)] for p in bucket.parameters()})))
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    # aot_eager: AOTAutograd turns each graph into one autograd node, as torch.compile's
+    # default compiler does, and runs it without generating code.
+    compiled = torch.compile(ddp, backend="aot_eager")
+    compiled(torch.randn(4, 256)).sum().backward()   # first step: DDP rebuilds its buckets
+    events.clear()
+    loss = compiled(torch.randn(4, 256)).sum()
+    seen, stack = set(), [loss.grad_fn]
+    while stack:                                     # find each compiled graph's backward node
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == "CompiledFunctionBackward":
+            node.register_prehook(lambda grads: events.append(("backward", None)))
+        stack.extend(child for child, _ in node.next_functions)
+    loss.backward()
+    return events
+
+
+def _ready_with_and_without_ddp_optimizer():
+    return {on: _when_gradients_are_ready(on) for on in (True, False)}
+
+
+def test_ddp_optimizer_launches_a_buckets_all_reduce_before_the_earlier_graphs_backward():
+    """Lesson 16, "torch.compile with DDP": with one compiled graph (optimize_ddp off) its
+    backward is one autograd node, and DDP launches every all-reduce only after it; split at
+    the bucket boundaries (on), the last piece's backward readies its bucket, whose all-reduce
+    (of the last layers only) starts before the first piece's backward runs."""
+    for rank in dpcourse.run(_ready_with_and_without_ddp_optimizer, world_size=2,
+                             backend="gloo", device="cpu", timeout=240):
+        whole, split = rank[False], rank[True]
+        assert [kind for kind, _ in whole].count("backward") == 1, whole
+        assert whole[0][0] == "backward" and len(whole) > 2, whole
+        kinds = [kind for kind, _ in split]
+        assert kinds.count("backward") == 2 and kinds[0] == "backward", split
+        second = kinds.index("backward", 1)
+        early = [layers for kind, layers in split[:second] if kind == "all_reduce"]
+        assert early and all(set(layers) <= {4, 5, 6, 7} for layers in early), split
+        assert kinds[second + 1:].count("all_reduce") >= 1, split
+
+
 def test_checkpoint_saves_fewer_tensors_and_reruns_the_forward():
-    """Non-reentrant checkpoint keeps fewer saved tensors, starts the forward again in backward, same grads."""
+    """Lesson 16, activation checkpointing: non-reentrant checkpoint keeps fewer saved bytes;
+    of the checkpointed region autograd keeps only its input (every saved tensor passes the
+    saved_tensors_hooks pack function); the forward starts again in backward; same grads."""
     from torch.utils.checkpoint import checkpoint
 
     def run(ckpt):
@@ -253,6 +314,18 @@ def test_checkpoint_saves_fewer_tensors_and_reruns_the_forward():
     (plain, n_plain, g_plain), (ck, n_ck, g_ck) = run(False), run(True)
     assert ck < plain and (n_plain, n_ck) == (1, 2)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(g_plain, g_ck))
+
+    # What autograd keeps from the checkpointed region itself: its input, and nothing else.
+    x = _batch(0, 64)[0]
+    for ckpt in (False, True):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                      lambda t: t):
+            _ = checkpoint(_mlp(), x, use_reentrant=False) if ckpt else _mlp()(x)
+        if ckpt:
+            assert len(packed) == 1 and packed[0].data_ptr() == x.data_ptr(), packed
+        else:
+            assert len(packed) > 1   # the plain forward keeps activations too
 
 
 def test_checkpoint_stops_recomputing_once_backward_has_what_it_needs():
@@ -292,15 +365,24 @@ WORKER = textwrap.dedent("""
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # A file per worker and attempt: the two workers' prints can interleave on one pipe.
     open(os.path.join(sys.argv[1], f"rank {dist.get_rank()} attempt {restart}"), "w").close()
+    # torchrun's store, as the workers reach it (MASTER_ADDR, MASTER_PORT), without a prefix.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)
     if restart == 0 and dist.get_rank() == 1:
+        store.set("set by attempt 0", "1")
         os._exit(1)
+    if restart == 1 and store.check(["set by attempt 0"]):
+        open(os.path.join(sys.argv[1], f"rank {dist.get_rank()} finds attempt 0's key"),
+             "w").close()
     dist.barrier()
     destroy_and_exit(0)  # no interpreter finalization, where gloo's threads can abort a worker
 """)
 
 
 def test_torchrun_restarts_every_worker_after_one_fails(tmp_path):
-    """--max-restarts 1: one worker's failure restarts both, with TORCHELASTIC_RESTART_COUNT=1.
+    """Lesson 16, "An elastic restart": --max-restarts 1: one worker's failure restarts both,
+    with TORCHELASTIC_RESTART_COUNT=1; torchrun's store outlives the attempt: a key a worker of
+    the failed attempt set is still there for both workers of the next.
 
     The worker joins each attempt's process group under a store prefix of its own
     (``dpcourse.torch_tools.init_attempt_process_group``), as the lesson's does.
@@ -319,4 +401,20 @@ def test_torchrun_restarts_every_worker_after_one_fails(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(os.listdir(seen))
     assert {"rank 1 attempt 0", "rank 0 attempt 1", "rank 1 attempt 1"} <= set(lines), lines
+    assert {"rank 0 finds attempt 0's key", "rank 1 finds attempt 0's key"} <= set(lines), lines
     assert not any("attempt 2" in line for line in lines)
+
+
+def test_torchrun_rendezvous_is_static_on_master_addr_and_port_by_default():
+    """Lesson 16, "An elastic restart": without --rdzv-backend torchrun uses static rendezvous,
+    whose endpoint is --master-addr:--master-port."""
+    from torch.distributed.run import get_rdzv_endpoint, parse_args
+
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("PET_")}
+    try:  # torchrun also reads its options from PET_* variables; none may be set here
+        args = parse_args(["--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                           "--master-port", "29511", "worker.py"])
+    finally:
+        os.environ.update(saved)
+    assert args.rdzv_backend == "static"
+    assert get_rdzv_endpoint(args) == "127.0.0.1:29511"

@@ -54,10 +54,42 @@ def test_gpu_busy_merges_overlapping_kernels_and_fsdp_ranges_group_by_kind():
     assert gpu_busy([]) == {"span_ms": 0.0, "busy_ms": 0.0}
 
 
-def test_fully_shard_hooks_are_python_functions():
+def _fully_shard_forward_hooks():
     import inspect
 
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    for hook in (FSDPState._pre_forward, FSDPState._post_forward, FSDPState._root_pre_forward):
-        assert inspect.getsourcefile(hook).endswith(".py"), hook
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model)
+    # Which callables does the module run before and after its forward, and are they Python?
+    hooks = {}
+    for kind, table in (("pre", model._forward_pre_hooks), ("post", model._forward_hooks)):
+        hooks[kind] = [{"is_state_method": isinstance(getattr(h, "__self__", None), FSDPState),
+                        "name": getattr(h, "__name__", repr(h)),
+                        "python": inspect.isfunction(getattr(h, "__func__", h)),
+                        "file": inspect.getsourcefile(inspect.unwrap(getattr(h, "__func__", h)))}
+                       for h in table.values()]
+    return hooks
+
+
+def test_fully_shard_hooks_are_python_functions():
+    """Lesson 14: "FSDP2's per-group hooks run as Python functions". fully_shard registers
+    FSDPState's _pre_forward and _post_forward as the module's forward hooks; they call each
+    FSDPParamGroup's pre_forward and post_forward, and all of these are Python functions."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    for hook in (FSDPState._pre_forward, FSDPState._post_forward, FSDPState._root_pre_forward,
+                 FSDPParamGroup.pre_forward, FSDPParamGroup.post_forward):
+        assert inspect.isfunction(hook), hook
+        assert inspect.getsourcefile(inspect.unwrap(hook)).endswith(".py"), hook
+    for rank in dpcourse.run(_fully_shard_forward_hooks, world_size=2, backend="gloo",
+                             device="cpu"):
+        for kind, name in (("pre", "_pre_forward"), ("post", "_post_forward")):
+            assert len(rank[kind]) == 1, rank
+            hook = rank[kind][0]
+            assert hook["is_state_method"] and hook["name"] == name and hook["python"], rank
+            assert hook["file"].endswith("_fully_shard/_fsdp_state.py"), rank

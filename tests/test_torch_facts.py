@@ -598,8 +598,8 @@ def _by_rank(ranks, probe):
 
 
 def test_gloo_default_timeout_is_30_minutes():
-    """Lesson 10, section 1: a process group over gloo waits 30 minutes by default before a
-    collective that never completes fails."""
+    """Lesson 00, "When a rank fails", and lesson 10, section 1: a process group over gloo waits
+    30 minutes by default before a collective that never completes fails."""
     from torch.distributed import constants
     from torch.distributed.distributed_c10d import _get_default_timeout
 
@@ -610,7 +610,8 @@ def test_gloo_default_timeout_is_30_minutes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="torch built without NCCL")
 def test_nccl_default_timeout_is_10_minutes():
-    """Lesson 10, section 1: an NCCL process group's default timeout is 10 minutes."""
+    """Lesson 00, "When a rank fails", and lesson 10, section 1: an NCCL process group's default
+    timeout is 10 minutes."""
     from torch.distributed import constants
     from torch.distributed.distributed_c10d import _get_default_timeout
 
@@ -628,14 +629,22 @@ def test_ddp_rank_with_extra_batch_waits_in_all_reduce_until_timeout(ranks):
 
 
 def test_distributed_sampler_gives_every_rank_the_same_length():
-    """Lesson 10, section 1: torch's DistributedSampler gives every rank the same number of
-    samples, padding (drop_last=False) or dropping (drop_last=True) the remainder."""
+    """Lesson 01, answer to the 3-shard "Predict, then run", and lesson 10, section 1: torch's
+    DistributedSampler gives every rank the same number of samples; by default
+    (drop_last=False) it pads by repeating examples from the start, with drop_last=True it drops
+    the remainder."""
     from torch.utils.data import DistributedSampler
 
-    for drop_last in (False, True):
-        lengths = {len(list(DistributedSampler(range(10), num_replicas=3, rank=r, shuffle=False,
-                                               drop_last=drop_last))) for r in range(3)}
-        assert lengths == ({4} if not drop_last else {3})
+    def shards(drop_last):
+        return [list(DistributedSampler(range(10), num_replicas=3, rank=r, shuffle=False,
+                                        drop_last=drop_last)) for r in range(3)]
+
+    assert _defaults(DistributedSampler.__init__)["drop_last"] is False
+    padded, dropped = shards(False), shards(True)
+    assert [len(s) for s in padded] == [4, 4, 4]
+    assert Counter(sum(padded, [])) == Counter(list(range(10)) + [0, 1])  # 0 and 1 twice
+    assert [len(s) for s in dropped] == [3, 3, 3]
+    assert sorted(sum(dropped, [])) == list(range(9))  # example 9 is left out
 
 
 def test_join_shadows_collectives_with_zero_buckets(ranks):
@@ -839,9 +848,10 @@ def test_powersgd_keeps_error_feedback_residual(ranks):
 
 
 def test_first_iteration_uses_one_bucket_then_rebuilds(ranks):
-    """Lesson 11, section 3: with find_unused_parameters=False torch DDP puts every gradient in
-    one bucket for the first step (no overlap in step 1), rebuilds its buckets in the order the
-    gradients arrived before the second step (two broadcasts), and never again."""
+    """Lesson 05, introduction, and lesson 11, section 3: with find_unused_parameters=False
+    torch DDP puts every gradient in one bucket for the first step (no overlap in step 1),
+    rebuilds its buckets in the order the gradients arrived before the second step (two
+    broadcasts), and never again."""
     for r in _by_rank(ranks, "buckets"):
         for cfg in ("default", "cap"):
             steps = r[cfg]
@@ -911,12 +921,16 @@ def test_gradient_as_bucket_view(ranks):
 
 
 def _reduce_with_every_op():
-    """On each rank: all-reduce ``rank + 1`` (int64) with every ReduceOp; the value or the error."""
+    """On each rank: all-reduce ``rank + 1`` with every ReduceOp (int64; float32 for AVG); the
+    value or the error."""
     out = {}
     for name in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
         t = torch.tensor([dist.get_rank() + 1], dtype=torch.int64)
         dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
         out[name] = t.item()
+    t = torch.tensor([dist.get_rank() + 1.0])  # AVG divides: a float tensor
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["AVG"] = t.item()
     try:
         dist.all_reduce(torch.ones(1), op=dist._make_nccl_premul_sum(2.0))
         out["PREMUL_SUM"] = "accepted"
@@ -940,10 +954,11 @@ def test_reduce_ops_are_a_fixed_set():
 
 def test_gloo_reduce_ops():
     """Lesson 00, answer to "Predict, then run": on gloo SUM, PRODUCT, MIN, MAX, BAND,
-    BOR and BXOR leave every rank with the same result; gloo refuses PREMUL_SUM; a
+    BOR, BXOR and AVG leave every rank with the same result; gloo refuses PREMUL_SUM; a
     Python function as ``op`` is refused with a TypeError."""
     results = dpcourse.run(_reduce_with_every_op, world_size=2, backend="gloo", device="cpu")
-    expected = dict(SUM=1 + 2, PRODUCT=1 * 2, MIN=1, MAX=2, BAND=1 & 2, BOR=1 | 2, BXOR=1 ^ 2)
+    expected = dict(SUM=1 + 2, PRODUCT=1 * 2, MIN=1, MAX=2, BAND=1 & 2, BOR=1 | 2, BXOR=1 ^ 2,
+                    AVG=(1.0 + 2.0) / 2)
     for r in results:
         assert {k: r[k] for k in expected} == expected
         assert "PREMUL_SUM" in r["PREMUL_SUM"] and "Gloo" in r["PREMUL_SUM"]
@@ -1032,27 +1047,49 @@ def test_ddp_broadcasts_buffers_before_every_forward_by_default():
 
 
 def _p2p_on_a_subgroup():
-    """Ranks 1 and 2 exchange over the group {1, 2}, naming each other by global rank."""
+    """Ranks 1 and 2 exchange over the group {1, 2}: naming each other by global rank (peer=,
+    dst=, src=), then by group rank (group_peer=, group_dst=, group_src=)."""
     rank = dist.get_rank()
     group = dist.new_group([1, 2])
     if rank == 0:
         return None
     peer = 3 - rank  # 1 <-> 2: global ranks; their ranks inside the group are 0 and 1
-    send, recv = torch.tensor([float(rank)]), torch.zeros(1)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, group),
-                                    dist.P2POp(dist.irecv, recv, peer, group)])
-    for w in works:
-        w.wait()
-    return dict(group_rank=dist.get_rank(group), received=recv.item())
+    group_peer = 1 - dist.get_rank(group)
+    out = dict(group_rank=dist.get_rank(group))
+    for name, by_global in (("received", True), ("received_by_group_rank", False)):
+        send, recv = torch.tensor([float(rank)]), torch.zeros(1)
+        addr = dict(peer=peer) if by_global else dict(group_peer=group_peer)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, **addr),
+                                        dist.P2POp(dist.irecv, recv, group=group, **addr)])
+        for w in works:
+            w.wait()
+        out[name] = recv.item()
+    # blocking send/recv, group rank 0 sending first
+    sent, got = torch.tensor([10.0 * rank]), torch.zeros(1)
+    for by_global in (True, False):
+        to = dict(dst=peer) if by_global else dict(group_dst=group_peer)
+        frm = dict(src=peer) if by_global else dict(group_src=group_peer)
+        if out["group_rank"] == 0:
+            dist.send(sent, group=group, **to)
+            dist.recv(got, group=group, **frm)
+        else:
+            dist.recv(got, group=group, **frm)
+            dist.send(sent, group=group, **to)
+        out["send_recv_global" if by_global else "send_recv_group"] = got.item()
+    return out
 
 
 def test_p2p_peers_are_global_ranks():
-    """Lesson 04, "The code": a point-to-point call on a sub-group names its peer by global
-    rank (rank 2 of the world is rank 1 of the group {1, 2}, and is addressed as 2)."""
+    """Lesson 04, "The code": on a sub-group, a point-to-point call's dst/src (and P2POp's peer)
+    is a global rank (rank 2 of the world is rank 1 of the group {1, 2}, and is addressed as 2);
+    torch 2.13 also takes group_dst/group_src (and P2POp's group_peer), a rank inside the group,
+    with the same result."""
     results = dpcourse.run(_p2p_on_a_subgroup, world_size=3, backend="gloo", device="cpu")
     assert results[0] is None
-    assert results[1] == dict(group_rank=0, received=2.0)
-    assert results[2] == dict(group_rank=1, received=1.0)
+    for rank, group_rank, other in ((1, 0, 2), (2, 1, 1)):
+        assert results[rank] == dict(group_rank=group_rank, received=float(other),
+                                     received_by_group_rank=float(other),
+                                     send_recv_global=10.0 * other, send_recv_group=10.0 * other)
 
 
 def test_distributed_sampler_shuffles_with_seed_plus_epoch():
@@ -1099,25 +1136,48 @@ def ddp_bucket_sizes(cap_kwargs, width: int = 887) -> list[int]:
     return sizes
 
 
-def _bucket_sizes(cap_kwargs):
+def _bucket_sizes_by_cap():
     # Ten 3 MiB tensors: 30 MiB of gradients, so a 25 MiB cap shows in the bucket sizes.
-    return sorted(ddp_bucket_sizes(cap_kwargs))
-
-
-def _default_and_25():
-    return _bucket_sizes({}), _bucket_sizes({"bucket_cap_mb": 25})
+    return {name: ddp_bucket_sizes(kw) for name, kw in (
+        ("default", {}), ("cap25", {"bucket_cap_mb": 25}), ("cap5", {"bucket_cap_mb": 5}))}
 
 
 def test_ddp_default_bucket_cap_is_25_mib():
-    """L04, L05 c0, L11: torch DDP's default cap is 25 MiB. Every gradient here (3 MiB) is larger
-    than the small first bucket the default adds (about 1 MiB,
-    tests/test_torch_facts_collectives.py::test_small_first_bucket_only_with_the_default_cap),
-    so with these gradients the default's buckets are those of bucket_cap_mb=25, and not those
-    of a 5 MiB cap."""
-    default, cap25 = _on_two_cpu_ranks(_default_and_25)[0]
-    assert default == cap25
-    assert len(default) >= 2 and max(default) >= 25 * 2**20          # a bucket closes past 25 MiB
-    assert _on_two_cpu_ranks(_bucket_sizes, {"bucket_cap_mb": 5})[0] != default
+    """L04, L05 c0, L11: torch DDP's default cap is 25 MiB. Ten 3 MiB gradients, in the order
+    DDP hands over its rebuilt buckets: the default sends the first gradient to arrive alone
+    (its small first bucket, about 1 MiB:
+    tests/test_torch_facts_collectives.py::test_small_first_bucket_only_with_the_default_cap,
+    closes at once), then the other nine as one bucket, which closes only past 25 MiB (eight
+    make 24 MiB); bucket_cap_mb=25 makes the same 25 MiB bucket from the first gradient on, and
+    a 5 MiB cap makes buckets of two."""
+    sizes = _on_two_cpu_ranks(_bucket_sizes_by_cap)[0]
+    layer = 887 * 887 * 4
+    assert 8 * layer < 25 * MiB <= 9 * layer
+    assert sizes["default"] == [layer, 9 * layer]
+    assert sizes["cap25"] == [9 * layer, layer]
+    assert sizes["cap5"] == [2 * layer] * 5
+
+
+def test_backward_accumulates_into_an_existing_grad_in_place():
+    """L05, "Into the bucket and back": when param.grad already exists (here a view of a slice of
+    one flat buffer), autograd adds the new gradient into it in place: param.grad keeps its
+    memory, and the flat buffer holds the gradient (twice it after two backwards)."""
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(4, 3), torch.randn(5, 4)
+    reference = copy.deepcopy(layer)
+    reference(x).sum().backward()
+    params = list(layer.parameters())
+    buf = torch.zeros(sum(p.numel() for p in params))
+    ptrs, start = [], 0
+    for p in params:
+        p.grad = buf[start:start + p.numel()].view_as(p)  # zeros, in the buffer's memory
+        ptrs.append(p.grad.data_ptr())
+        start += p.numel()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    for times in (1, 2):
+        layer(x).sum().backward()
+        assert [p.grad.data_ptr() for p in params] == ptrs  # still the buffer's slices
+        assert torch.allclose(buf, times * expected)
 
 
 def test_zero_grad_sets_gradients_to_none_by_default():

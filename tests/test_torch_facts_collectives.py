@@ -83,19 +83,30 @@ def _probe_ddp_parameters():
 
 
 def _probe_buffer_flag():
-    """torch 2.13's forward_sync_buffers and the old broadcast_buffers on one DDP."""
+    """torch 2.13's forward_sync_buffers and the old broadcast_buffers: the defaults, which name
+    warns, and whether rank-dependent buffers equal rank 0's right after construction."""
     names = set(inspect.signature(DDP.__init__).parameters)
     out = dict(has_broadcast_buffers="broadcast_buffers" in names,
                has_forward_sync_buffers="forward_sync_buffers" in names)
     plain = DDP(torch.nn.Linear(2, 2))
     out["default_on"] = plain.broadcast_buffers is True
-    if out["has_forward_sync_buffers"]:
+    if not out["has_forward_sync_buffers"]:
+        return out
+    out["default_new_flag"] = plain.forward_sync_buffers is True
+    for name, kw in (("default", {}), ("forward_sync_buffers", dict(forward_sync_buffers=False)),
+                     ("broadcast_buffers", dict(broadcast_buffers=False))):
+        norm = torch.nn.BatchNorm1d(4)
+        with torch.no_grad():
+            norm.running_mean.fill_(float(dist.get_rank() + 1))  # the ranks' buffers differ
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            old = DDP(torch.nn.Linear(2, 2), broadcast_buffers=False)
-        out["old_name_warns"] = any("deprecated" in str(w.message) for w in caught)
-        out["old_name_sets_new_flag"] = old.forward_sync_buffers is False
-        out["default_new_flag"] = plain.forward_sync_buffers is True
+            ddp = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), norm), **kw)
+        mean = norm.running_mean.clone()
+        rank0 = mean.clone()
+        dist.broadcast(rank0, src=0)
+        out[name] = dict(warns=any("deprecated" in str(w.message) for w in caught),
+                         flag=ddp.forward_sync_buffers, alias=ddp.broadcast_buffers,
+                         rank0_buffers_at_construction=torch.equal(mean, rank0))
     return out
 
 
@@ -172,16 +183,100 @@ _ENV_INIT = textwrap.dedent("""
 def test_init_process_group_reads_rank_and_world_size_from_the_environment():
     """Lesson 00, "The same program from a terminal": a script launched by torchrun calls
     ``init_process_group(backend)`` with no rank or world size; torch then reads RANK and
-    WORLD_SIZE (and MASTER_ADDR, MASTER_PORT) from the environment, and fails without them."""
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    WORLD_SIZE (and MASTER_ADDR, MASTER_PORT) from the environment, and fails without them:
+    without any one of the four, the error names the missing variable."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    base = {k: v for k, v in os.environ.items() if k not in names + ("LOCAL_RANK",)}
     env = dict(base, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    ok = subprocess.run([sys.executable, "-c", _ENV_INIT], env=env, capture_output=True, text=True, timeout=120)
-    assert ok.stdout.strip() == "rank 0 world 1", ok.stderr[-2000:]
-    missing = dict(env)
-    del missing["WORLD_SIZE"]
-    bad = subprocess.run([sys.executable, "-c", _ENV_INIT], env=missing, capture_output=True, text=True, timeout=120)
-    assert bad.stdout.startswith("error:") and "WORLD_SIZE" in bad.stdout, bad.stdout + bad.stderr[-2000:]
+    envs = [env] + [{k: v for k, v in env.items() if k != name} for name in names]
+    # the five interpreters start together: each spends most of its time importing torch
+    procs = [subprocess.Popen([sys.executable, "-c", _ENV_INIT], env=e, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for e in envs]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert outs[0][0].strip() == "rank 0 world 1", outs[0][1][-2000:]
+    for name, (out, err) in zip(names, outs[1:]):
+        assert out.startswith("error:"), (name, out + err[-2000:])
+        assert f"environment variable {name} expected, but not set" in out, (name, out)
+
+
+_TWO_GLOO_PROCESSES = textwrap.dedent("""
+    import datetime, sys, time, torch, torch.distributed as dist
+    rank, port, seconds = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=seconds))
+    store = dist.distributed_c10d._get_default_store()
+""")
+
+
+def _two_gloo_processes(body: str, pg_timeout_s: float) -> list[tuple[int, str, str]]:
+    """Run ``body`` in 2 plain processes joined over gloo (not dpcourse's ranks, which stay
+    alive after an exception); return each one's (exit status, stdout, stderr)."""
+    script = _TWO_GLOO_PROCESSES + textwrap.dedent(body)
+    port = str(_free_port())
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), port, str(pg_timeout_s)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120 + 2 * pg_timeout_s) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+_RAISES_AND_EXITS = """
+    dist.barrier()  # both processes are up
+    if rank == 1:
+        store.wait(["rank0_in_barrier"])
+        time.sleep(0.5)  # rank 0 is inside its barrier by now
+        raise FileNotFoundError("shard-0001.bin is missing")  # uncaught: the process exits
+    store.set("rank0_in_barrier", "1")
+    t0 = time.perf_counter()
+    try:
+        dist.barrier()  # waits for rank 1, which raises instead
+        print("no error")
+    except RuntimeError as err:
+        print(f"{time.perf_counter() - t0:.3f} {err}")
+    from dpcourse.launch.teardown import destroy_and_exit
+    destroy_and_exit(0)
+"""
+
+
+def test_a_partner_that_raises_and_exits_fails_the_waiting_collective_at_once():
+    """Lesson 00, "When a rank fails": when the failing rank's process exits (an uncaught
+    exception, in a plain script), its gloo partner, already waiting in a barrier, fails at once
+    with a connection error ("Connection closed by peer"), long before the process group's
+    timeout (60 s here)."""
+    (code0, out0, err0), (code1, _, err1) = _two_gloo_processes(_RAISES_AND_EXITS, 60)
+    assert code1 != 0 and "FileNotFoundError: shard-0001.bin is missing" in err1, err1[-2000:]
+    assert code0 == 0, err0[-2000:]
+    seconds, message = out0.split(" ", 1)
+    assert "Connection closed by peer" in message or "Connection reset by peer" in message, out0
+    assert float(seconds) < 30  # far below the timeout: it did not wait for it
+
+
+_MISMATCHED = """
+    t = torch.zeros(1)
+    t0 = time.perf_counter()
+    try:
+        if rank == 0:
+            dist.all_reduce(t)   # waits for an all-reduce from rank 1...
+        else:
+            dist.recv(t, src=0)  # ...which waits for a message from rank 0
+        print("no error")
+    except RuntimeError as err:
+        print(f"{time.perf_counter() - t0:.3f} {err}")
+    from dpcourse.launch.teardown import destroy_and_exit
+    destroy_and_exit(0)
+"""
+
+
+def test_mismatched_collectives_wait_until_the_process_group_timeout():
+    """Lesson 00, "When a rank fails": two live ranks that disagree about the next call (rank 0
+    in an all-reduce, rank 1 in a recv from rank 0) both wait until the process group's timeout
+    (3 s here), then both fail with a timeout error."""
+    for code, out, err in _two_gloo_processes(_MISMATCHED, 3):
+        assert code == 0, err[-2000:]
+        seconds, message = out.split(" ", 1)
+        assert "Timed out" in message, out
+        assert 2.9 <= float(seconds) < 60
 
 
 def test_adam_state_is_two_moments_shaped_like_the_parameter_and_a_scalar_step():
@@ -222,16 +317,24 @@ def test_ddp_copies_rank0_parameters_at_construction_only(ranks):
     assert ranks[1]["ddp_parameters"]["differed"]  # rank 1 really started from other weights
 
 
-def test_ddp_buffer_flag_is_broadcast_buffers_and_forward_sync_buffers_in_2_13(ranks):
+def test_ddp_buffer_flag_is_forward_sync_buffers_and_broadcast_buffers_is_deprecated(ranks):
     """Lesson 02, introduction: torch DDP's flag for syncing buffers before every forward is
-    ``broadcast_buffers``, on by default; torch 2.13 also accepts it as ``forward_sync_buffers``
-    and warns that ``broadcast_buffers`` is deprecated."""
-    for r in ranks:
+    ``forward_sync_buffers`` in torch 2.13, on by default; ``broadcast_buffers`` still sets it,
+    with a warning that the name is deprecated. ``broadcast_buffers=False`` also skips the copy
+    of rank 0's buffers at construction, ``forward_sync_buffers=False`` does not."""
+    for rank, r in enumerate(ranks):
         flag = r["buffer_flag"]
         assert flag["has_broadcast_buffers"] and flag["default_on"]
-        if _torch_at_least(2, 13):
-            assert flag["has_forward_sync_buffers"]
-            assert flag["old_name_warns"] and flag["old_name_sets_new_flag"] and flag["default_new_flag"]
+        if not _torch_at_least(2, 13):
+            continue
+        assert flag["has_forward_sync_buffers"] and flag["default_new_flag"]
+        assert flag["default"] == dict(warns=False, flag=True, alias=True,
+                                       rank0_buffers_at_construction=True)
+        assert flag["forward_sync_buffers"] == dict(warns=False, flag=False, alias=False,
+                                                    rank0_buffers_at_construction=True)
+        # rank 0 holds its own buffers anyway: rank 1 shows that nothing was copied
+        assert flag["broadcast_buffers"] == dict(warns=True, flag=False, alias=False,
+                                                 rank0_buffers_at_construction=rank == 0)
 
 
 @pytest.mark.skipif(not _torch_at_least(2, 13), reason="a statement about torch 2.13")

@@ -38,6 +38,58 @@ _AN_ADAMW_AND_AN_SGD = pytest.mark.parametrize("make_opt", [
 ], ids=["adamw", "sgd_momentum"])
 
 
+# --------------------------------------------------------------------------- lesson 08
+
+class _MakesADirectory:
+    """Unpickling it calls os.mkdir(path): a stand-in for code a malicious file would run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+class _AllowListed:
+    """A plain class a program may allow with torch.serialization.add_safe_globals."""
+
+    def __init__(self, n):
+        self.n = n
+
+
+def test_weights_only_load_runs_no_code_and_takes_primitives_and_allowed_types(tmp_path):
+    """Lesson 08, "The training loop": torch.load(..., weights_only=True) loads tensors,
+    primitive values and plain containers; it refuses an object whose unpickling would call a
+    function, before calling it (the same file loaded with weights_only=False does call it);
+    and it refuses other classes unless the program allow-lists them (add_safe_globals)."""
+    import io
+    import pickle
+
+    target = tmp_path / "made_by_unpickling"
+    payload = io.BytesIO()
+    torch.save({"w": torch.ones(2), "x": _MakesADirectory(str(target))}, payload)
+    payload.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(payload, weights_only=True)
+    assert not target.exists()
+    payload.seek(0)
+    torch.load(payload, weights_only=False)  # the payload works: unrestricted loading runs it
+    assert target.is_dir()
+
+    plain = io.BytesIO()
+    values = (3, 2.5, "name", b"raw", True, None)
+    torch.save({"w": torch.ones(2), "values": values, "names": ["a"], "custom": _AllowListed(7)},
+               plain)
+    plain.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(plain, weights_only=True)
+    plain.seek(0)
+    with torch.serialization.safe_globals([_AllowListed]):  # add_safe_globals, undone on exit
+        loaded = torch.load(plain, weights_only=True)
+    assert loaded["values"] == values and loaded["names"] == ["a"] and loaded["custom"].n == 7
+    assert torch.equal(loaded["w"], torch.ones(2))
+
+
 # --------------------------------------------------------------------------- lesson 11
 
 def test_ddp_finds_no_unused_parameters_and_assumes_no_static_graph_by_default():
@@ -130,8 +182,9 @@ def _barrier_seconds(late_s):
 
 
 def test_gloo_barrier_returns_only_when_every_rank_has_called_it():
-    """Lesson 12, "The signal-pad barrier": dist.barrier() keeps the calling process (the host)
-    until every rank has called it: rank 0 waits out rank 1's 1.5 s delay."""
+    """Lessons 08 (the rank-0 checkpoint) and 12 ("The signal-pad barrier"): dist.barrier()
+    keeps the calling process (the host) until every rank has called it: rank 0 waits out rank
+    1's 1.5 s delay."""
     early, late = dpcourse.run(_barrier_seconds, 1.5, world_size=2, device="cpu")
     # rank 0 may leave the first barrier a little after rank 1 on a loaded machine; it still
     # waits most of the 1.5 s, where a barrier that did not wait would take milliseconds

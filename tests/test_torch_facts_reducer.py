@@ -8,7 +8,9 @@ fixture), so the file stays fast on a small CPU machine; each test then checks o
 
 from __future__ import annotations
 
+import inspect
 import time
+import warnings
 
 import pytest
 import torch
@@ -184,12 +186,187 @@ def _powersgd_probe(rank):
     return calls
 
 
+def _ddp_takes(name: str) -> bool:
+    """Whether this torch's DDP takes the keyword ``name`` (some are new in torch 2.13)."""
+    return name in inspect.signature(DDP.__init__).parameters
+
+
+def _four_linears():
+    """Four Linear(32, 32) layers: one bucket each under _SMALL_CAP_MB, after the rebuild."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+# 2097 bytes: a Linear(32, 32)'s weight (4096 bytes) closes a bucket by itself, with its bias.
+_SMALL_CAP_MB = 0.002
+
+
+def _bucket_log_probe(rank):
+    """torch DDP with small buckets, a comm hook that logs each bucket it is handed before
+    all-reducing it as the default does, and a post-accumulate-grad hook on the first layer's
+    weight: in what order the two run in each backward, and what the bucket holds meanwhile."""
+    model = _four_linears()
+    ddp = DDP(model, bucket_cap_mb=_SMALL_CAP_MB)
+    events = []
+
+    def logging_hook(state, bucket):
+        buf = bucket.buffer()
+        start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+        views = bucket.gradients()
+        events.append(dict(
+            kind="bucket", index=bucket.index(), buffer=buf.data_ptr(),
+            storage=buf.untyped_storage().data_ptr(),
+            views_in_buffer=all(
+                g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+                and start <= g.data_ptr() < end for g in views),
+            holds_grads=all(torch.equal(g, p.grad) for g, p in zip(views, bucket.parameters()))))
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, logging_hook)
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: events.append(dict(kind="layer0")))
+    steps = []
+    for step in range(3):
+        events.clear()
+        ddp.zero_grad()
+        ddp(torch.randn(4, 32)).sum().backward()
+        bucket_storages = {e["storage"] for e in events if e["kind"] == "bucket"}
+        grads_apart = all(p.grad.untyped_storage().data_ptr() not in bucket_storages
+                          for p in model.parameters())
+        steps.append(dict(events=list(events), grads_apart=grads_apart))
+    return steps
+
+
+def _no_sync_buckets_probe(rank):
+    """The same small-bucket model under torch DDP without a hook: the all-reduces of three
+    plain steps, then of three micro-steps, the first two under no_sync()."""
+    ddp = DDP(_four_linears(), bucket_cap_mb=_SMALL_CAP_MB)
+    plain, acc = [], []
+    for step in range(3):
+        ddp.zero_grad()
+        out = ddp(torch.randn(4, 32)).sum()
+        with _profiled() as p:
+            out.backward()
+        plain.append(p.ops.get("all_reduce", 0))
+    ddp.zero_grad()
+    for k in range(3):
+        with ddp.no_sync() if k < 2 else torch.enable_grad():
+            out = ddp(torch.randn(4, 32)).sum()
+            with _profiled() as p:
+                out.backward()
+        acc.append(p.ops.get("all_reduce", 0))
+    return dict(plain=plain, acc=acc)
+
+
+def _grad_copy_ops_probe(rank):
+    """aten ops that copy or scale gradients in a backward of torch DDP on the rebuilt buckets,
+    with batched_grad_copy left at its default and set to True."""
+    if not _ddp_takes("batched_grad_copy"):
+        return None
+    out = {}
+    for batched in (False, True):
+        ddp = DDP(_four_linears(), bucket_cap_mb=_SMALL_CAP_MB, batched_grad_copy=batched)
+        for step in range(2):  # the second step runs on the rebuilt buckets
+            ddp.zero_grad()
+            y = ddp(torch.randn(4, 32)).sum()
+            with torch.autograd.profiler.profile(use_kineto=False) as prof:
+                y.backward()
+        names = [e.name for e in prof.function_events]
+        out[batched] = {op: names.count(op) for op in
+                        ("aten::mul", "aten::div", "aten::div_", "aten::_foreach_copy_")}
+    out["params"] = len(list(ddp.parameters()))
+    return out
+
+
+def _autocast_probe(rank):
+    """torch DDP's forward and backward under CPU autocast to bfloat16: the dtype of the output,
+    of each bucket the comm hook is handed, of the tensors all-reduced, and of the gradients."""
+    ddp = DDP(_four_linears(), bucket_cap_mb=_SMALL_CAP_MB)
+    seen = []
+
+    def dtype_hook(state, bucket):
+        seen.append(bucket.buffer().dtype)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, dtype_hook)
+    out = []
+    for step in range(2):  # the second step runs on the rebuilt buckets
+        seen.clear()
+        ddp.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ddp(torch.randn(4, 32))
+        with _recording("all_reduce") as calls:
+            y.float().sum().backward()
+        out.append(dict(output=y.dtype, buckets=list(seen), wire=[c[1] for c in calls],
+                        grads={p.grad.dtype for p in ddp.module.parameters()}))
+    return out
+
+
+def _buffer_flags_probe(rank):
+    """BatchNorm whose running_mean differs per rank before DDP is built, wrapped with
+    forward_sync_buffers=False or with the deprecated broadcast_buffers=False: the warnings,
+    the running_mean right after construction, and the broadcasts of the first forward."""
+    if not _ddp_takes("forward_sync_buffers"):
+        return None
+    out = {}
+    for name in ("forward_sync_buffers", "broadcast_buffers"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        with torch.no_grad():
+            net[1].running_mean.fill_(float(rank + 1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = DDP(net, **{name: False})
+        after_init = net[1].running_mean.clone()
+        with _profiled() as p:
+            ddp(torch.randn(8, 4))
+        out[name] = dict(
+            future_warnings=[str(w.message) for w in caught
+                             if issubclass(w.category, FutureWarning)],
+            after_init=after_init.tolist(), forward_broadcasts=p.ops.get("broadcast", 0))
+    return out
+
+
+def _bf16_name_probe(rank):
+    """What torch DDP's register_comm_hook does with torch's bf16_compress_hook, with a plain
+    all-reduce hook renamed bf16_compress_hook, and with bf16_compress_hook wrapped under
+    another name (the last then runs one step)."""
+
+    def outcome(hook):
+        ddp = DDP(_four_linears())
+        try:
+            ddp.register_comm_hook(None, hook)
+        except TypeError as err:
+            return ddp, f"refused: {err}"
+        return ddp, "accepted"
+
+    def renamed(state, bucket):
+        return default_hooks.allreduce_hook(state, bucket)
+
+    renamed.__name__ = "bf16_compress_hook"
+
+    def wrapped(state, bucket):
+        return default_hooks.bf16_compress_hook(state, bucket)
+
+    out = dict(real=outcome(default_hooks.bf16_compress_hook)[1], renamed=outcome(renamed)[1])
+    ddp, out["wrapped"] = outcome(wrapped)
+    with _recording("all_reduce") as calls:
+        ddp(torch.randn(4, 32)).sum().backward()
+    out.update(wire={c[1] for c in calls}, grads={p.grad.dtype for p in ddp.module.parameters()})
+    return out
+
+
 def _probes(rank_arg=None):
     rank = dist.get_rank()
     return dict(order=_order_probe(rank), completion=_completion_probe(rank),
                 threads=_threads_probe(rank), ddp_sync=_ddp_sync_probe(rank),
                 hook_order=_hook_order_probe(rank), join=_join_probe(rank),
-                powersgd=_powersgd_probe(rank))
+                powersgd=_powersgd_probe(rank), bucket_log=_bucket_log_probe(rank),
+                no_sync_buckets=_no_sync_buckets_probe(rank), autocast=_autocast_probe(rank),
+                buffer_flags=_buffer_flags_probe(rank), bf16_name=_bf16_name_probe(rank),
+                grad_copy_ops=_grad_copy_ops_probe(rank))
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +394,49 @@ def test_all_reduce_is_not_complete_until_every_rank_has_issued_it(ranks):
     assert ranks[1]["completion"]["value"] == [3.0] * 4
 
 
+def test_ddp_hands_a_bucket_over_for_all_reduce_while_backward_still_runs(ranks):
+    """Lesson 06, introduction: torch DDP sends a bucket while backward is still running. From
+    the second step on (after the rebuild), with one bucket per layer, the comm hook gets the
+    first bucket (the last layer's gradients) before the first layer's weight has its gradient;
+    in the first step, one bucket for all, it comes only after."""
+    for r in ranks:
+        steps = [[e.get("index", e["kind"]) for e in s["events"]] for s in r["bucket_log"]]
+        assert steps[0] == ["layer0", 0]
+        for order in steps[1:]:
+            assert order == [0, 1, 2, "layer0", 3]
+
+
+def test_ddp_copies_each_gradient_into_a_preallocated_bucket(ranks):
+    """Lesson 06, "Gradients into a flat buffer and back": with gradient_as_bucket_view=False,
+    the bucket the reducer hands over holds a copy of each of its parameters' gradients, in a
+    flat buffer allocated once (the same memory in steps 2 and 3, after the rebuild) that no
+    param.grad shares."""
+    for r in ranks:
+        steps = r["bucket_log"]
+        buffers = [[e["buffer"] for e in s["events"] if e["kind"] == "bucket"] for s in steps]
+        assert len(buffers[1]) == 4 and buffers[1] == buffers[2]
+        for s in steps:
+            assert all(e["holds_grads"] for e in s["events"] if e["kind"] == "bucket")
+            assert s["grads_apart"]
+
+
+def test_batched_grad_copy_is_off_by_default_and_copies_a_bucket_at_once(ranks):
+    """Lesson 06, "From a hook to an all-reduce in flight": torch 2.13's batched_grad_copy is
+    False by default, and then the reducer runs one aten::mul per parameter (the gradient times
+    1/world size into its bucket) and no division; with batched_grad_copy=True it runs instead
+    one _foreach_copy_ and one div_ per bucket (four Linear layers: 8 parameters, 4 buckets)."""
+    if not _ddp_takes("batched_grad_copy"):
+        pytest.skip("a statement about torch 2.13: this torch's DDP has no batched_grad_copy")
+    assert inspect.signature(DDP.__init__).parameters["batched_grad_copy"].default is False
+    for r in ranks:
+        ops = r["grad_copy_ops"]
+        assert ops["params"] == 8
+        assert ops[False] == {"aten::mul": 8, "aten::div": 0, "aten::div_": 0,
+                              "aten::_foreach_copy_": 0}
+        assert ops[True] == {"aten::mul": 0, "aten::div": 0, "aten::div_": 4,
+                             "aten::_foreach_copy_": 4}
+
+
 def test_gloo_completes_an_async_all_reduce_on_its_own_threads(ranks):
     """Lessons 06 and 08: over gloo an async all-reduce is processor work done by gloo's own
     threads: it completes, sum in place, while the thread that issued it only sleeps and never
@@ -230,15 +450,19 @@ def test_gloo_completes_an_async_all_reduce_on_its_own_threads(ranks):
 
 def test_ddp_averages_at_the_end_of_backward_and_once_after_no_sync(ranks):
     """Lesson 07: torch DDP averages the gradients over the ranks by itself during every backward
-    run outside no_sync() (one all-reduce for its one bucket, no further call needed); backwards
-    under no_sync() issue none, and the first backward outside it all-reduces the accumulated sum
-    once."""
+    run outside no_sync() (no further call needed); backwards under no_sync() issue no
+    all-reduce, and the first backward outside it averages the accumulated sum with one
+    all-reduce per bucket: one for a one-bucket Linear, four for four Linear layers in buckets
+    of their own (after the first step, which runs as one bucket)."""
     for r in ranks:
         d = r["ddp_sync"]
         assert d["plain_mean"] == [True, True]
         assert [o.get("all_reduce", 0) for o in d["plain_ops"]] == [1, 1]
         assert [o.get("all_reduce", 0) for o in d["acc_ops"]] == [0, 0, 1]
         assert d["acc_mean"] is True
+        n_buckets = len([e for e in r["bucket_log"][1]["events"] if e["kind"] == "bucket"])
+        assert n_buckets == 4
+        assert r["no_sync_buckets"] == dict(plain=[1, n_buckets, n_buckets], acc=[0, 0, n_buckets])
 
 
 # --------------------------------------------------------------------------- lesson 08
@@ -260,6 +484,21 @@ def test_a_fresh_adamw_starts_its_moments_at_zero_and_its_step_at_one():
     assert torch.allclose(state["exp_avg_sq"], 0.001 * g * g)
     # bias correction of step 1 undoes the (1 - beta) factors: the step is lr * sign(g)
     assert torch.allclose(p.detach(), torch.tensor([1.0 - 0.1, -2.0 - 0.1]), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- lesson 09
+
+
+def test_ddp_under_autocast_all_reduces_float32_buckets(ranks):
+    """Lesson 09 (bf16 mixed precision): under torch.autocast to bfloat16, torch DDP's forward
+    computes in bfloat16, but the buckets its reducer hands to the comm hook, the all-reduces,
+    and the gradients are float32."""
+    for r in ranks:
+        for step in r["autocast"]:
+            assert step["output"] == torch.bfloat16
+            assert step["buckets"] and set(step["buckets"]) == {torch.float32}
+            assert step["wire"] == step["buckets"]  # one float32 all-reduce per bucket
+            assert step["grads"] == {torch.float32}
 
 
 # --------------------------------------------------------------------------- lesson 10
@@ -310,6 +549,22 @@ def test_batchnorm_statistics_are_buffers_and_training_uses_the_batchs_own():
     assert torch.allclose(norm(x), want, atol=1e-5)
 
 
+def test_forward_sync_buffers_off_still_copies_buffers_at_construction(ranks):
+    """Lesson 10, section 3: torch 2.13 turns off the copy of rank 0's buffers before every
+    forward with forward_sync_buffers=False; broadcast_buffers=False, the older name, does too,
+    with a FutureWarning that it is deprecated, and also skips the copy at construction, which
+    forward_sync_buffers=False still makes."""
+    if not _ddp_takes("forward_sync_buffers"):
+        pytest.skip("a statement about torch 2.13: this torch's DDP has no forward_sync_buffers")
+    for rank, r in enumerate(ranks):
+        new, old = r["buffer_flags"]["forward_sync_buffers"], r["buffer_flags"]["broadcast_buffers"]
+        assert new["future_warnings"] == []
+        assert len(old["future_warnings"]) == 1 and "deprecated" in old["future_warnings"][0]
+        assert new["after_init"] == [1.0] * 4                 # rank 0's value, on every rank
+        assert old["after_init"] == [float(rank + 1)] * 4     # each rank's own
+        assert new["forward_broadcasts"] == old["forward_broadcasts"] == 0
+
+
 # --------------------------------------------------------------------------- lesson 11
 
 
@@ -336,3 +591,29 @@ def test_powersgd_all_reduces_its_factors_in_float32(ranks):
         calls = r["powersgd"]
         assert calls and {dtype for _, dtype, _ in calls} == {torch.float32}
         assert all(numel < 64 * 64 for _, _, numel in calls)  # factors, not the full matrix
+
+
+def test_comm_hook_bucket_gradients_are_views_into_its_buffer(ranks):
+    """Lesson 11, section 1: the tensors a bucket's gradients() returns are views into its
+    buffer(): each lies in the buffer's storage, inside the buffer's bytes."""
+    for r in ranks:
+        events = [e for s in r["bucket_log"] for e in s["events"] if e["kind"] == "bucket"]
+        assert len(events) == 9 and all(e["views_in_buffer"] for e in events)
+
+
+def test_ddp_checks_the_bf16_hook_by_its_name(ranks):
+    """Lesson 11, section 1: register_comm_hook refuses a hook whose __name__ is
+    bf16_compress_hook unless torch has CUDA or HIP with NCCL 2.10+, or XPU with XCCL: it
+    judges by the name, so a plain all-reduce hook given that name is treated the same, and
+    bf16_compress_hook wrapped in a function of another name registers and runs on gloo,
+    sending bfloat16 and leaving float32 gradients."""
+    cuda_nccl = ((torch.version.cuda is not None or torch.version.hip is not None)
+                 and dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10))
+    xccl = hasattr(dist, "is_xccl_available") and dist.is_xccl_available()
+    for r in ranks:
+        d = r["bf16_name"]
+        assert d["renamed"] == d["real"]
+        if not (cuda_nccl or xccl):
+            assert d["real"].startswith("refused:") and "BF16" in d["real"]
+        assert d["wrapped"] == "accepted"
+        assert d["wire"] == {torch.bfloat16} and d["grads"] == {torch.float32}
