@@ -367,3 +367,187 @@ def test_ddp_optimizer_documents_that_one_graph_readies_every_gradient_at_once()
     assert "all gradients become 'ready' at the same time" in doc
     assert "Hooks fire after the whole fused backward function executes" in doc
     assert "boundaries of gradient-allreduce buckets" in doc
+
+
+# ---- exercises and grader messages
+
+def _launch_with(fn, env):
+    """``dpcourse.run(fn)`` on 2 gloo ranks that start with ``env`` set in their environment."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return dpcourse.run(fn, world_size=2, backend="gloo", device="cpu", timeout=120)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _skip_then_go_on():
+    """Under DETAIL, in groups with a 2 s timeout: rank 1 all-reduces a flag that rank 0 skips;
+    then rank 0 skips it again but goes on to an all-reduce of 5 elements."""
+    from datetime import timedelta
+
+    def attempt(fn):
+        try:
+            fn()
+            out = None
+        except RuntimeError as err:
+            out = str(err)
+        dist.barrier()  # the default group: both ranks start the next case together
+        return out
+
+    def flag_on_rank_1(then_five):
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+        if dist.get_rank() == 1:
+            dist.all_reduce(torch.ones(1), op=dist.ReduceOp.MAX, group=group)
+        elif then_five:
+            dist.all_reduce(torch.ones(5), group=group)  # rank 0's next collective
+
+    return dict(level=str(dist.get_debug_level()),
+                alone=attempt(lambda: flag_on_rank_1(False)),
+                going_on=attempt(lambda: flag_on_rank_1(True)))
+
+
+def test_detail_on_a_rank_other_than_0_blames_rank_0_and_a_later_collective_is_a_mismatch():
+    """Exercise 15, job C: under TORCH_DISTRIBUTED_DEBUG=DETAIL a rank other than 0 that waits in
+    a collective rank 0 skipped reports, at the group's timeout, that it reached the monitored
+    barrier and waited in vain for rank 0 (its send to rank 0 timed out); rank 0 returns
+    untouched. Had rank 0 gone on to another collective of the group, DETAIL would have raised a
+    mismatch on both ranks at once instead: job C's ranks 0 and 2 issue none before the timeout."""
+    zero, one = _launch_with(_skip_then_go_on, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert zero["level"] == one["level"] == "DebugLevel.DETAIL"
+    assert zero["alone"] is None
+    assert one["alone"].startswith(
+        "Rank 1 successfully reached monitoredBarrier, but received errors while waiting for "
+        "send/recv from rank 0. Please check rank 0 logs for faulty rank."), one["alone"]
+    assert "Timed out waiting 2000ms for send operation to complete" in one["alone"]
+    assert "failed to pass monitoredBarrier" not in one["alone"]
+    for r in (zero, one):
+        assert "Detected mismatch between collectives on ranks" in r["going_on"], r["going_on"]
+
+
+def _hook_buffers_and_grads():
+    """torch DDP over a bias-free Linear with a comm hook that copies the bucket's buffer before
+    all-reducing it as the default hook does; also this rank's plain autograd gradient."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    plain = nn.Linear(4, 1, bias=False)
+    plain.load_state_dict(model.state_dict())
+    ddp = DDP(model)
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.buffer().clone())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    ddp(x).sum().backward()
+    plain(x).sum().backward()
+    return dict(buffer=seen[0], local=plain.weight.grad.flatten(), after=model.weight.grad)
+
+
+def test_a_comm_hooks_bucket_buffer_holds_this_ranks_undivided_float32_gradient():
+    """Exercise 11: with a comm hook registered, bucket.buffer() holds this rank's own float32
+    gradient, neither divided by the world size nor summed: the hook does the whole reduction
+    (torch's allreduce_hook divides, then sums, and the gradient becomes the mean)."""
+    zero, one = dpcourse.run(_hook_buffers_and_grads, world_size=2, backend="gloo", device="cpu",
+                             timeout=120)
+    assert not torch.equal(zero["local"], one["local"])
+    mean = (zero["local"] + one["local"]) / 2
+    for r in (zero, one):
+        assert r["buffer"].dtype == torch.float32
+        assert torch.equal(r["buffer"], r["local"])
+        assert torch.allclose(r["after"].flatten(), mean, atol=1e-6)
+
+
+def _bf16_sum_over_gloo():
+    mine = torch.randn(1000, generator=torch.Generator().manual_seed(dist.get_rank()))
+    t = mine.to(torch.bfloat16)
+    dist.all_reduce(t)
+    return t
+
+
+def test_gloo_all_reduce_of_bfloat16_rounds_the_sum_to_bfloat16():
+    """Exercise 11, after the check: over gloo an all-reduce of bfloat16 tensors adds them in
+    bfloat16: the result is the exact sum of the two ranks' values rounded to bfloat16, which
+    differs from the exact sum in many elements."""
+    x0, x1 = (torch.randn(1000, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+              for r in range(2))
+    exact = x0.float() + x1.float()
+    for got in dpcourse.run(_bf16_sum_over_gloo, world_size=2, backend="gloo", device="cpu",
+                            timeout=120):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, exact.to(torch.bfloat16))
+        assert (got.float() != exact).sum() > 100
+
+
+def test_torchs_default_dtype_is_float32_which_keeps_24_bits():
+    """Exercise 02's keeps_dtype hint: torch's default dtype is float32, whose significand has 24
+    bits (23 stored): a tensor made without a dtype is float32, and an int64 or float64 value
+    that needs more bits comes back from it changed."""
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.tensor([1.5]).dtype == torch.float32 and torch.zeros(2).dtype == torch.float32
+    assert torch.finfo(torch.float32).eps == 2.0 ** -23
+    assert torch.tensor([2 ** 24 + 1]).float().long().item() != 2 ** 24 + 1
+    assert torch.tensor([1 + 2.0 ** -30], dtype=torch.float64).float().double().item() == 1.0
+    assert torch.tensor([2 ** 24 - 1]).float().long().item() == 2 ** 24 - 1
+
+
+def test_a_zero_gradient_moves_a_parameter_under_weight_decay_or_built_up_momentum():
+    """Exercise 03's unused_parameter_keeps_no_grad hint: unlike .grad None (which optimizers
+    skip), a gradient of zeros still moves a parameter under SGD with weight decay, and under
+    SGD with momentum once earlier steps have built the momentum up."""
+    decayed = nn.Parameter(torch.ones(3))
+    decayed.grad = torch.zeros(3)
+    torch.optim.SGD([decayed], lr=0.1, weight_decay=0.1).step()
+    assert (decayed.detach() < 1).all()
+
+    moving, resting = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([moving, resting], lr=0.1, momentum=0.9)
+    moving.grad, resting.grad = torch.ones(3), torch.ones(3)
+    opt.step()                                   # both build up momentum
+    before = moving.detach().clone(), resting.detach().clone()
+    moving.grad, resting.grad = torch.zeros(3), None
+    opt.step()
+    assert (moving.detach() < before[0]).all()   # zeros: the momentum still moves it
+    assert torch.equal(resting.detach(), before[1])  # None: skipped
+
+
+def test_joinable_is_abstract_and_its_constructor_sets_the_config_join_reads():
+    """Exercise 10's hints: Joinable is an abstract class whose join_hook, join_device and
+    join_process_group (the last two properties) a subclass must define; Joinable's constructor
+    sets the join config (disabled until a Join fills it in), and notify_join_context refuses a
+    joinable whose constructor did not run it."""
+    from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+    assert Joinable.__abstractmethods__ == {"__init__", "join_hook", "join_device",
+                                            "join_process_group"}
+    assert isinstance(inspect.getattr_static(Joinable, "join_device"), property)
+    assert isinstance(inspect.getattr_static(Joinable, "join_process_group"), property)
+
+    class Wrapper(Joinable):
+        def __init__(self, call_joinable_init):
+            if call_joinable_init:
+                super().__init__()
+
+        def join_hook(self, **kwargs):
+            return JoinHook()
+
+        @property
+        def join_device(self):
+            return torch.device("cpu")
+
+        @property
+        def join_process_group(self):
+            return None
+
+    assert Wrapper(True)._join_config.enable is False
+    assert Join.notify_join_context(Wrapper(True)) is None  # disabled: no collective
+    with pytest.raises(AssertionError, match="calls the ``Joinable`` constructor"):
+        Join.notify_join_context(Wrapper(False))

@@ -246,7 +246,7 @@ def test_recv_overwrites_its_buffer_and_adds_nothing():
 
 
 def _ddp_python_hooks():
-    """Hooks torch DDP leaves on its parameters that Python can see, and the gradients it averages."""
+    """Hooks torch DDP leaves on its parameters that Python can see; the gradients it averages."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -270,7 +270,7 @@ def test_torch_ddp_averages_gradients_without_a_python_hook_on_its_parameters():
     assert torch.equal(grads0[1], torch.full((2,), 3.0))
 
 
-# --------------------------------------------------------------------------- docs/mistakes.md, torch DDP
+# ------------------------------------------------------------------ docs/mistakes.md, torch DDP
 
 
 def _torch_ddp_on_different_models(kind):
@@ -306,3 +306,139 @@ def test_torch_ddp_refuses_different_models_with_these_messages():
                          device="cpu", timeout=120)
     assert any("DDP expects same model across all ranks, but Rank 1 has 6 params, while rank 0 "
                "has inconsistent 4 params." in msg for msg in count), count
+
+
+# ---- README and docs
+
+
+def _all_reduce_3_against_4(timeout_s):
+    """All-reduce 3 elements on rank 0 and 4 on rank 1 in a group with ``timeout_s``; the error."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.all_reduce(torch.ones(3 + dist.get_rank()), group=group)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_detail_fails_a_shape_mismatch_on_every_rank_naming_both_shapes_before_the_timeout():
+    """README, claim 24: under TORCH_DISTRIBUTED_DEBUG=DETAIL an all-reduce of 3 elements against
+    4 fails on both ranks with torch's mismatch message, which names each rank's operation and
+    shape, instead of waiting for the group's 60 s timeout (no "Timed out" in either error; a
+    rank that waited for the timeout would also outlast this launch's 45 s)."""
+    saved = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"   # read when a rank starts
+    try:
+        errors = dpcourse.run(_all_reduce_3_against_4, 60, world_size=2, backend="gloo",
+                              device="cpu", timeout=45)
+    finally:
+        os.environ.pop("TORCH_DISTRIBUTED_DEBUG")
+        if saved is not None:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = saved
+    for e in errors:
+        assert e is not None and "Detected mismatch between collectives on ranks" in e, errors
+        assert e.count("OpType=ALLREDUCE") == 2, e
+        assert "TensorShape=[3]" in e and "TensorShape=[4]" in e and "Timed out" not in e, e
+
+
+def _reducer_ops_in_backward():
+    """Profiler counts of a torch DDP backward (after the first, which rebuilds the buckets)."""
+    from collections import Counter
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    names = Counter(e.name for e in prof.events())
+    kept = ("torch::distributed::reducer::mul_out", "aten::mul",
+            "torch::distributed::reducer::copy_")
+    return {k: names[k] for k in kept}, len(list(model.parameters()))
+
+
+def test_ddp_writes_each_gradient_times_one_over_world_size_into_its_bucket_in_one_op():
+    """docs/benchmarks.md, "dividing as the hook copies": with its defaults torch DDP's reducer
+    puts each gradient into its bucket with one mul_out (the gradient times 1/world size, written
+    straight into the bucket: one read and one write of the gradient), once per parameter, and
+    never with a plain copy (its reducer::copy_ range, the path without that multiplication)."""
+    for counts, n in dpcourse.run(_reducer_ops_in_backward, world_size=2, backend="gloo",
+                                  device="cpu", timeout=120):
+        assert n == 4
+        assert counts == {"torch::distributed::reducer::mul_out": n, "aten::mul": n,
+                          "torch::distributed::reducer::copy_": 0}, counts
+
+
+_LOAD_ONE_BATCH = textwrap.dedent("""
+    import os, stat, torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 4
+        def __getitem__(self, i):
+            return torch.full((3,), float(i))
+
+    def sockets(root):
+        return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root)
+                      for f in files if stat.S_ISSOCK(os.lstat(os.path.join(d, f)).st_mode))
+
+    print("strategy", torch.multiprocessing.get_sharing_strategy())
+    try:
+        batches = iter(DataLoader(Rows(), batch_size=2, num_workers=1, timeout=5))
+        batch = next(batches)   # the worker, kept alive by the iterator, still holds its socket
+        print("batch", batch[:, 0].tolist(), "sockets", sockets(os.environ["TMPDIR"]))
+    except RuntimeError as err:
+        print("error", err)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's sharing strategy")
+def test_dataloader_workers_hand_batches_over_af_unix_sockets_made_under_tmpdir(tmp_path):
+    """docs/mistakes.md, DataLoader workers under a long TMPDIR: a worker hands each batch over an
+    AF_UNIX socket that multiprocessing makes in a pymp-* folder under TMPDIR (torch's sharing
+    strategy on Linux is file_descriptor). Where that socket's path is too long to bind, no error
+    reaches the loading process: it waits for the batch until the DataLoader's own timeout (5 s
+    here; by default it has none), while the worker's traceback says the path is too long."""
+    import ast
+    import tempfile
+
+    def load(tmpdir):
+        return subprocess.run([sys.executable, "-c", _LOAD_ONE_BATCH], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, TMPDIR=tmpdir))
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:
+        out = load(short)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "strategy file_descriptor", out.stdout
+    batch, found = lines[1].split(" sockets ")
+    assert batch == "batch [0.0, 1.0]", out.stdout
+    sockets = ast.literal_eval(found)      # a printed list of relative paths
+    assert sockets and all(s.startswith("pymp-") and "/listener-" in s for s in sockets), sockets
+
+    long_dir = tmp_path / ("t" * max(1, 110 - len(str(tmp_path))))   # socket paths past 107
+    long_dir.mkdir()
+    out = load(str(long_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[1] == "error DataLoader timed out after 5 seconds", out.stdout
+    assert "AF_UNIX path too long" in out.stderr, out.stderr[-3000:]
+
+
+def test_a_collective_without_a_process_group_says_the_default_group_is_not_initialized():
+    """docs/mistakes.md (a ring that reaches torch's real module): in a process that never called
+    init_process_group, dist.all_reduce raises "Default process group has not been initialized"."""
+    code = ("import torch, torch.distributed as dist\n"
+            "try:\n"
+            "    dist.all_reduce(torch.ones(1))\n"
+            "except Exception as err:\n"
+            "    print(type(err).__name__, err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Default process group has not been initialized" in out.stdout, out.stdout

@@ -120,8 +120,9 @@ class BuffersUnused(d.DDPExercise):
         Criterion("unused_parameter_keeps_no_grad", "a parameter no rank used keeps grad None, "
                   "as with torch DDP", "A parameter no rank used got a gradient (zeros): a rank "
                   "sees only its own use, and decided without the others. A zero gradient is "
-                  "not the same as none: optimizers with momentum or weight decay would still "
-                  "move the parameter.", weight=2),
+                  "not the same as none: an optimizer skips a parameter whose grad is None, but "
+                  "weight decay, or momentum built up in earlier steps, still moves one whose "
+                  "grad is zeros.", weight=2),
         Criterion("frozen_parameter_untouched", "a parameter with requires_grad=False gets no "
                   "gradient and stays rank 0's value", "The frozen parameter got a gradient or "
                   "moved: the synchronisation treated a parameter that requires no gradient like "

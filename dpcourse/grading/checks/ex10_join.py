@@ -139,7 +139,7 @@ class JoinShadow(Exercise):
                   "Join asks the wrapper for its hook (join_hook receives Join's keyword "
                   "arguments), and for the device and group of its own one-element "
                   "all-reduces: those of the parameters, and the default process group."),
-        Criterion("average_over_world", "with divide_by_initial_world_size=True (Join's "
+        Criterion("average_over_world", "with divide_by_initial_world_size=True (the "
                   "default) each step's gradients equal torch DDP + Join's: the sum over the "
                   "ranks with data divided by the world size",
                   "A joined rank contributes zeros, and torch still divides by the world size: "
@@ -169,9 +169,10 @@ class JoinShadow(Exercise):
         no_delegation("shadows_each_step"), no_deadlock("shadows_each_step"),
     )
     notes = (f"compared with torch DDP + Join (recomputed by the grader) to rtol, atol = "
-             f"{tolerance('gloo', torch.float32, 'vs_ddp')}: the ranks' gradients are added in "
-             "another order than gloo's, which changes float32 sums by a few ulps; any wrong "
-             "divisor, missing shadow or stale copy is far larger. Fresh random data on each run",)
+             f"{tolerance('gloo', torch.float32, 'vs_ddp')}: the grader may add the ranks' "
+             "gradients in another order than gloo, which changes float32 sums by a few ulps; any "
+             "wrong divisor, missing shadow or stale copy is far larger. Fresh random data on "
+             "each run",)
     error_hints = (
         (("disagree on collective number", "all_reduce of 4 bytes"),
          "An all-reduce of 4 bytes against a larger one: a rank without data was already in "

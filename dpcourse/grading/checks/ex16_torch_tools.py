@@ -2,8 +2,8 @@
 
 The learner writes ``clip_sharded_(shards, max_norm, norm_type=2.0, group=None)``.
 Each rank holds, for every parameter, its chunk of the flattened gradient (zero-padded
-to ``N`` equal chunks, as FSDP shards); the function scales every shard in place as
-``torch.nn.utils.clip_grad_norm_`` scales the whole gradient in one process and
+to ``N`` equal chunks, as lesson 14's FSDP shards its flats); the function scales every
+shard in place as ``torch.nn.utils.clip_grad_norm_`` scales the whole gradient in one process and
 returns the total norm on every rank. The grader asks torch's ``clip_grad_norm_``
 for the expected norm and gradients, and its record of every collective shows
 whether one scalar or the gradients crossed the wire.
