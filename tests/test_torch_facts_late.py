@@ -371,20 +371,6 @@ def test_ddp_optimizer_documents_that_one_graph_readies_every_gradient_at_once()
 
 # ---- exercises and grader messages
 
-def _launch_with(fn, env):
-    """``dpcourse.run(fn)`` on 2 gloo ranks that start with ``env`` set in their environment."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return dpcourse.run(fn, world_size=2, backend="gloo", device="cpu", timeout=120)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _skip_then_go_on():
     """Under DETAIL, in groups with a 2 s timeout: rank 1 all-reduces a flag that rank 0 skips;
     then rank 0 skips it again but goes on to an all-reduce of 5 elements."""
@@ -411,13 +397,16 @@ def _skip_then_go_on():
                 going_on=attempt(lambda: flag_on_rank_1(True)))
 
 
-def test_detail_on_a_rank_other_than_0_blames_rank_0_and_a_later_collective_is_a_mismatch():
+def test_detail_on_a_rank_other_than_0_blames_rank_0_and_a_later_collective_is_a_mismatch(
+        monkeypatch):
     """Exercise 15, job C: under TORCH_DISTRIBUTED_DEBUG=DETAIL a rank other than 0 that waits in
     a collective rank 0 skipped reports, at the group's timeout, that it reached the monitored
     barrier and waited in vain for rank 0 (its send to rank 0 timed out); rank 0 returns
     untouched. Had rank 0 gone on to another collective of the group, DETAIL would have raised a
     mismatch on both ranks at once instead: job C's ranks 0 and 2 issue none before the timeout."""
-    zero, one = _launch_with(_skip_then_go_on, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # the ranks start with it
+    zero, one = dpcourse.run(_skip_then_go_on, world_size=2, backend="gloo", device="cpu",
+                             timeout=120)
     assert zero["level"] == one["level"] == "DebugLevel.DETAIL"
     assert zero["alone"] is None
     assert one["alone"].startswith(
