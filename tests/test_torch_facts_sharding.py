@@ -40,44 +40,38 @@ def _flight_record_of_all_reduces(n=5):
     return [(e["collective_seq_id"], e["profiling_name"]) for e in trace.get("entries", [])]
 
 
-def _run_with_recorder_size(size, n):
+def _run_with_recorder_size(monkeypatch, size, n):
     """Launch 2 gloo ranks with TORCH_FR_BUFFER_SIZE=size (None: unset, torch's default).
 
     The ranks start with this environment; torch reads the variable once per process, when the
     recorder is first used, so each setting needs ranks of its own.
     """
-    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the second is an alias
-    saved = {k: os.environ.pop(k, None) for k in names}
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):  # the second: an alias
+        monkeypatch.delenv(name, raising=False)
     if size is not None:
-        os.environ["TORCH_FR_BUFFER_SIZE"] = str(size)
-    try:
-        return dpcourse.run(_flight_record_of_all_reduces, n, world_size=2, backend="gloo",
-                            device="cpu", timeout=120)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
+        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", str(size))
+    return dpcourse.run(_flight_record_of_all_reduces, n, world_size=2, backend="gloo",
+                        device="cpu", timeout=120)
 
 
-def test_flight_recorder_is_a_ring_buffer_of_the_last_buffer_size_collectives():
+def test_flight_recorder_is_a_ring_buffer_of_the_last_buffer_size_collectives(monkeypatch):
     """Lesson 15, section 7: the flight recorder is a ring buffer: with TORCH_FR_BUFFER_SIZE=2,
     after five gloo all-reduces each rank's record holds only the last two (numbers 4 and 5);
     the older entries were overwritten."""
-    records = _run_with_recorder_size(2, 5)
+    records = _run_with_recorder_size(monkeypatch, 2, 5)
     for record in records:
         assert record == [(4, "gloo:all_reduce"), (5, "gloo:all_reduce")], records
 
 
 @pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
                     reason="a statement about torch 2.13")
-def test_flight_recorder_records_gloo_by_default_and_size_0_turns_it_off():
+def test_flight_recorder_records_gloo_by_default_and_size_0_turns_it_off(monkeypatch):
     """Lesson 15, section 7: in torch 2.13 the flight recorder is on by default and records gloo
     collectives: with TORCH_FR_BUFFER_SIZE unset, each rank holds all 3 of its all-reduces;
     with TORCH_FR_BUFFER_SIZE=0 it holds none. torch's default size is 2000 entries."""
-    for record in _run_with_recorder_size(None, 3):
+    for record in _run_with_recorder_size(monkeypatch, None, 3):
         assert record == [(i, "gloo:all_reduce") for i in (1, 2, 3)], record
-    for record in _run_with_recorder_size(0, 3):
+    for record in _run_with_recorder_size(monkeypatch, 0, 3):
         assert record == [], record
     # The default, where torch's flight recorder reads the variable (its C++ header ships with
     # torch): TORCH_FR_BUFFER_SIZE, or the older TORCH_NCCL_TRACE_BUFFER_SIZE, else 2000.
