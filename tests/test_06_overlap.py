@@ -68,6 +68,25 @@ def _errors() -> dict:
     return errors
 
 
+
+def _create_graph() -> dict:
+    """A backward with ``create_graph=True`` (grad mode on in the hooks): averaged all the same."""
+    x, y = global_batch("mlp", 0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+    out = {}
+    for as_view in (True, False):
+        model = DataParallelOverlapped(make_model("mlp"), bucket_cap_mb=0.0,
+                                       gradient_as_bucket_view=as_view)
+        loss_of("mlp", model, x[mine], y[mine]).backward(create_graph=True)
+        local = make_model("mlp")
+        loss_of("mlp", local, x, y).backward()  # the global batch: the average of the shards
+        out[as_view] = dict(
+            diff=max((p.grad - q.grad).abs().max().item()
+                     for p, q in zip(model.parameters(), local.parameters())),
+            buffers_require_grad=any(b.buffer.requires_grad for b in model.buckets))
+    return out
+
 def overlap_checks() -> dict:
     """Every multi-rank check of this lesson on one rank."""
     out = {"train": {f"{n}@{c}": train_three_ways("overlapped", n, steps=5,
@@ -78,6 +97,7 @@ def overlap_checks() -> dict:
     out["timeline"] = {k: _timeline(k) for k in ("overlapped", "bucketed")}
     out["custom"] = _custom_all_reduce()
     out["errors"] = _errors()
+    out["create_graph"] = _create_graph()
     from dpcourse import demo
 
     out["demo"] = demo.train(steps=3)
@@ -127,6 +147,13 @@ def test_clear_errors(results):
     assert "fc1" not in e["unused"]
     assert "backward" in e["twice"] and "once" in e["twice"]
 
+
+
+def test_a_create_graph_backward_averages_and_keeps_the_buckets_out_of_the_graph(results):
+    for r in results:
+        for as_view, c in r["create_graph"].items():
+            assert c["diff"] < 1e-6, (as_view, c)
+            assert not c["buffers_require_grad"], as_view
 
 def test_demo_trains_every_wrapper_like_torch_ddp(results):
     from dpcourse.demo import format_rows

@@ -1257,6 +1257,20 @@ def test_post_accumulate_grad_hooks_fire_last_layer_first_after_grad_is_written(
     assert layers == sorted(layers, reverse=True)
 
 
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_post_accumulate_grad_hooks_run_in_grad_mode_only_under_create_graph(create_graph):
+    """``Bucket.place_grad``'s comment: autograd runs a backward, its hooks included, with grad
+    mode off, unless ``backward(create_graph=True)``; so only then must a hook's copy of the
+    gradient be kept out of the graph."""
+    model = torch.nn.Linear(4, 1)
+    seen = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(torch.is_grad_enabled()))
+    model(torch.randn(3, 4)).pow(2).sum().backward(create_graph=create_graph)
+    assert torch.is_grad_enabled()  # the caller's mode is unchanged
+    assert seen == [create_graph] * 2
+
 def _async_all_reduce():
     t = torch.full((4,), float(dist.get_rank() + 1))
     work = dist.all_reduce(t, async_op=True)

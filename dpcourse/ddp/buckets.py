@@ -155,7 +155,6 @@ class Bucket:
             view.copy_(param.grad)
         param.grad = view
 
-    @torch.no_grad()
     def place_grad(self, k: int, divisor: int | None) -> None:
         """Put ``params[k].grad`` into its slot, divided by ``divisor`` on the way (``None``: as is).
 
@@ -165,6 +164,13 @@ class Bucket:
         A gradient that already is the slot (``gradient_as_bucket_view``) is divided
         in place. ``divisor=None`` is for a communication hook, which divides itself.
         """
+        if torch.is_grad_enabled():
+            # Autograd runs a backward, hooks included, in grad mode only under
+            # backward(create_graph=True); only then is no_grad needed, to keep the copy
+            # out of the graph. (A @torch.no_grad() decorator would enter it for every
+            # gradient: about a microsecond of host time each.)
+            with torch.no_grad():
+                return self.place_grad(k, divisor)
         param, view = self.params[k], self.views[k]
         grad = param.grad
         if grad is None:
@@ -176,7 +182,7 @@ class Bucket:
             torch.mul(grad, 1.0 / divisor, out=view)  # torch's reducer multiplies by 1/N here
         else:
             view.copy_(grad)
-        if self.grads_are_views:
+        if self.grads_are_views and grad is not view:
             param.grad = view
         self.placed.add(k)
 

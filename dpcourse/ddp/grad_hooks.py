@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from functools import partial
-from typing import Any
+from types import MethodType
+from typing import Any, cast
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -34,25 +34,35 @@ def hook_every_parameter(wrapper: Any, hook: Callable[[int, nn.Parameter], None]
     Returns:
         The hooks' handles.
     """
-    weak_hook = take_over(wrapper.module, wrapper, hook)
-    handles = [p.register_post_accumulate_grad_hook(partial(weak_hook, i))
+    take_over(wrapper.module, wrapper)
+    handles = [p.register_post_accumulate_grad_hook(weak_hook(hook, i))
                for i, (_, p) in enumerate(wrapper.reducer.named_params)]
     guards.install(wrapper)
     return handles
 
 
-def take_over(module: nn.Module, wrapper: Any, hook: Callable[[int, nn.Parameter], None]
-              ) -> Callable[[int, nn.Parameter], None]:
-    """Make ``wrapper`` the one wrapper of ``module``; return ``hook`` holding ``wrapper`` weakly."""
+def take_over(module: nn.Module, wrapper: Any) -> None:
+    """Make ``wrapper`` the one wrapper of ``module``: remove the hooks of the one before it."""
     previous = getattr(module, "_dpcourse_wrapper", None)
     if previous is not None and previous() is not None:
         previous()._remove_hooks()
     setattr(module, "_dpcourse_wrapper", weakref.ref(wrapper))
     wrapper._replaced = False  # True once a newer wrapper takes over (see guards.check_forward)
-    ref = weakref.WeakMethod(hook)  # type: ignore[arg-type]
 
-    def weak_hook(index: int, param: nn.Parameter) -> None:
-        method = ref()
-        if method is not None:
-            method(index, param)
-    return weak_hook
+
+def weak_hook(hook: Callable[[int, nn.Parameter], None], index: int
+              ) -> Callable[[nn.Parameter], None]:
+    """Autograd's hook for parameter ``index``: ``hook(index, param)``, its wrapper held weakly.
+
+    Autograd calls it once per gradient, so it does as little as it can: one weak
+    reference to dereference (``weakref.WeakMethod`` would build a bound method on
+    every call), and ``index`` captured here rather than through a ``functools.partial``.
+    """
+    method = cast(MethodType, hook)  # the wrapper's bound method
+    function, wrapper_ref = method.__func__, weakref.ref(method.__self__)
+
+    def call_if_alive(param: nn.Parameter) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:  # None: the wrapper was garbage-collected; its hook does nothing
+            function(wrapper, index, param)
+    return call_if_alive
