@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,6 +90,20 @@ def _create_graph() -> dict:
             buffers_require_grad=any(b.buffer.requires_grad for b in model.buckets))
     return out
 
+
+def _discarded() -> dict:
+    """A wrapper nobody holds is freed: its hooks on the module hold it weakly, then do nothing."""
+    module = make_model("mlp")
+    wrapper = DataParallelOverlapped(module, bucket_cap_mb=0.0)
+    freed = weakref.ref(wrapper)
+    del wrapper
+    gc.collect()
+    x, y = global_batch("mlp", 0)
+    with CommTrace() as trace:
+        loss_of("mlp", module, x, y).backward()
+    return dict(freed=freed() is None, all_reduces=trace.count("all_reduce"),
+                grads=all(p.grad is not None for p in module.parameters()))
+
 def overlap_checks() -> dict:
     """Every multi-rank check of this lesson on one rank."""
     out = {"train": {f"{n}@{c}": train_three_ways("overlapped", n, steps=5,
@@ -98,6 +115,7 @@ def overlap_checks() -> dict:
     out["custom"] = _custom_all_reduce()
     out["errors"] = _errors()
     out["create_graph"] = _create_graph()
+    out["discarded"] = _discarded()
     from dpcourse import demo
 
     out["demo"] = demo.train(steps=3)
@@ -154,6 +172,11 @@ def test_a_create_graph_backward_averages_and_keeps_the_buckets_out_of_the_graph
         for as_view, c in r["create_graph"].items():
             assert c["diff"] < 1e-6, (as_view, c)
             assert not c["buffers_require_grad"], as_view
+
+
+def test_a_discarded_wrapper_is_freed_and_its_hooks_do_nothing(results):
+    for r in results:
+        assert r["discarded"] == dict(freed=True, all_reduces=0, grads=True)
 
 def test_demo_trains_every_wrapper_like_torch_ddp(results):
     from dpcourse.demo import format_rows
