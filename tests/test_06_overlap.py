@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import dpcourse
 from dpcourse.comm import CommTrace
+from dpcourse.data import shard_batch
 from dpcourse.ddp import DataParallelBucketed, DataParallelOverlapped
 from fixture_models import UnusedLayerMLP
 from ddp_helpers import (assert_three_ways_agree, counting_all_reduce, global_batch, loss_of,
@@ -71,17 +72,14 @@ def _errors() -> dict:
     return errors
 
 
-
 def _create_graph() -> dict:
     """A backward with ``create_graph=True`` (grad mode on in the hooks): averaged all the same."""
     x, y = global_batch("mlp", 0)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
     out = {}
     for as_view in (True, False):
         model = DataParallelOverlapped(make_model("mlp"), bucket_cap_mb=0.0,
                                        gradient_as_bucket_view=as_view)
-        loss_of("mlp", model, x[mine], y[mine]).backward(create_graph=True)
+        loss_of("mlp", model, shard_batch(x), shard_batch(y)).backward(create_graph=True)
         local = make_model("mlp")
         loss_of("mlp", local, x, y).backward()  # the global batch: the average of the shards
         out[as_view] = dict(
@@ -103,6 +101,7 @@ def _discarded() -> dict:
         loss_of("mlp", module, x, y).backward()
     return dict(freed=freed() is None, all_reduces=trace.count("all_reduce"),
                 grads=all(p.grad is not None for p in module.parameters()))
+
 
 def overlap_checks() -> dict:
     """Every multi-rank check of this lesson on one rank."""
@@ -166,7 +165,6 @@ def test_clear_errors(results):
     assert "backward" in e["twice"] and "once" in e["twice"]
 
 
-
 def test_a_create_graph_backward_averages_and_keeps_the_buckets_out_of_the_graph(results):
     for r in results:
         for as_view, c in r["create_graph"].items():
@@ -177,6 +175,7 @@ def test_a_create_graph_backward_averages_and_keeps_the_buckets_out_of_the_graph
 def test_a_discarded_wrapper_is_freed_and_its_hooks_do_nothing(results):
     for r in results:
         assert r["discarded"] == dict(freed=True, all_reduces=0, grads=True)
+
 
 def test_demo_trains_every_wrapper_like_torch_ddp(results):
     from dpcourse.demo import format_rows
