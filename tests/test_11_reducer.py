@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse
-from dpcourse.ddp.bucket_order import assign_buckets_in_order
-from dpcourse.ddp.buckets import assign_buckets
+from dpcourse.ddp.bucket_assignment import assign_buckets, assign_buckets_in_order
 from hook_helpers import train_with_hook
 from reducer_helpers import train_against_torch
 

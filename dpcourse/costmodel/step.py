@@ -36,7 +36,7 @@ def bucket_sizes(grad_bytes, bucket_cap_mb: float = 25.0) -> np.ndarray:
                              "sizes: pass grad_bytes as a list.")
         full, rest = divmod(total, cap)
         return np.concatenate([np.full(int(full), cap), [rest] if rest > 0 else []])
-    from dpcourse.ddp.buckets import assign_buckets  # the one bucket rule (imports torch)
+    from dpcourse.ddp.bucket_assignment import assign_buckets  # the one bucket rule (imports torch)
 
     sizes = [float(b) for b in grad_bytes]
     # assign_buckets takes sizes in registration order, the reverse of backward's.

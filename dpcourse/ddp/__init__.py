@@ -8,8 +8,9 @@ static graphs, bucket rebuilds) live in :class:`~dpcourse.ddp.reducer.Reducer`,
 which every wrapper holds.
 """
 
+from dpcourse.ddp.bucket_assignment import assign_buckets
 from dpcourse.ddp.bucketed import DataParallelBucketed
-from dpcourse.ddp.buckets import Bucket, assign_buckets
+from dpcourse.ddp.buckets import Bucket
 from dpcourse.ddp.naive import DataParallelNaive
 from dpcourse.ddp.overlapped import DataParallelOverlapped
 from dpcourse.ddp.reducer import Reducer

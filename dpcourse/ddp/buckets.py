@@ -1,4 +1,4 @@
-"""Group gradients into buckets: fewer, larger all-reduces instead of one per parameter.
+"""A bucket: one flat gradient buffer, reduced with one all-reduce instead of one per parameter.
 
 Every collective pays a fixed start-up cost (latency) on top of the time to
 move its bytes, so reducing 100 small gradients one by one costs ~100
@@ -6,23 +6,17 @@ latencies. Packing them into a few flat buffers of about ``bucket_cap_mb``
 MiB each pays only a few, while buckets small enough to be ready early still
 let communication overlap with the rest of backward.
 
-Buckets are filled in REVERSE parameter order: backward produces the last
-layer's gradients first, so the first bucket is the first one complete.
-A bucket closes as soon as it holds at least ``bucket_cap_mb`` (the tensor
-that crosses the cap stays in it, so a bucket may exceed the cap by one
-tensor, exactly as in torch DDP's ``_compute_bucket_assignment_by_size``).
-Tensors are never split, so this rule needs no special case: a tensor larger
-than the cap simply forms a bucket of its own, and ``bucket_cap_mb=0`` gives
-one bucket per parameter. Every bucket :func:`assign_buckets` makes has the
-same cap; a smaller first bucket, so that communication starts sooner, is
-:func:`~dpcourse.ddp.bucket_order.assign_buckets_in_order`'s job (the wrappers'
-``first_bucket_mb=``).
+A :class:`Bucket` holds one flat buffer (one dtype, one device) with a slot per
+gradient, a view shaped like its parameter; with ``gradient_as_bucket_view``
+that view is ``param.grad`` itself. :meth:`Bucket.launch` averages the whole
+buffer with one all-reduce; gradients kept apart from their slots are copied in
+before it and back out when its handle is waited for. Which gradients share a
+bucket is :mod:`dpcourse.ddp.bucket_assignment`'s question; :func:`buckets_in_order`
+and :func:`rebuild_buckets` build a wrapper's buckets from its answer.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,69 +25,10 @@ import torch
 from torch import nn
 
 from dpcourse.comm.averaging import divide_before_sum
+from dpcourse.ddp.bucket_assignment import agree_on_order, assign_buckets, assign_buckets_in_order
 from dpcourse.formatting import MiB
 
-
-def check_bucket_cap(bucket_cap_mb) -> float:
-    """Validate a bucket cap; return it as a float (``math.inf``: one bucket per dtype/device).
-
-    Args:
-        bucket_cap_mb: the cap in MiB, a non-negative number.
-
-    Returns:
-        The cap as a float.
-    """
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
-        raise TypeError(
-            f"bucket_cap_mb must be a number of MiB (e.g. 25.0), got {bucket_cap_mb!r}.")
-    cap = float(bucket_cap_mb)
-    if math.isnan(cap) or cap < 0:
-        raise ValueError(
-            f"bucket_cap_mb must be >= 0 (0: one bucket per parameter; math.inf: a single "
-            f"bucket), got {bucket_cap_mb!r}."
-        )
-    return cap
-
-
-def _size_and_key(item):
-    if isinstance(item, torch.Tensor):
-        return item.numel() * item.element_size(), (item.dtype, item.device)
-    if isinstance(item, numbers.Integral) and not isinstance(item, bool) and item >= 0:
-        return int(item), None
-    raise TypeError(f"assign_buckets takes tensors or sizes in bytes (ints >= 0), got {item!r}.")
-
-
-def assign_buckets(params, bucket_cap_mb: float = 25.0) -> list[list[int]]:
-    """Split parameters into buckets, filled in reverse order and closed once they reach the cap.
-
-    Args:
-        params: tensors (grouped by dtype and device: one bucket holds one kind)
-            or sizes in bytes, in the order the model registers its parameters.
-        bucket_cap_mb: a bucket closes once it holds at least this many MiB;
-            0 gives one bucket per parameter.
-
-    Returns:
-        Buckets in the order they become complete during backward, each a list of
-        indices into ``params`` (largest index first, the order gradients arrive).
-        Example: sizes ``[4, 4, 4]`` bytes with a cap of 8 bytes give ``[[2, 1], [0]]``.
-    """
-    cap = check_bucket_cap(bucket_cap_mb) * MiB
-    items = [_size_and_key(p) for p in params]
-    open_buckets: dict = {}  # (dtype, device) -> (indices, bytes)
-    buckets: list[list[int]] = []
-    for i in reversed(range(len(items))):
-        size, key = items[i]
-        indices, total = open_buckets.pop(key, ([], 0))
-        indices.append(i)
-        total += size
-        if total >= cap:  # close with the crossing tensor inside, as torch does
-            buckets.append(indices)
-        else:
-            open_buckets[key] = (indices, total)
-    buckets.extend(indices for indices, _ in open_buckets.values())
-    # A bucket is complete when its last-filled (lowest-index) gradient arrives.
-    buckets.sort(key=lambda b: -b[-1])
-    return buckets
+Where = dict[int, tuple[int, int]]  # parameter index -> (bucket, slot in it)
 
 
 @dataclass(eq=False)
@@ -156,7 +91,7 @@ class Bucket:
         param.grad = view
 
     def place_grad(self, k: int, divisor: int | None) -> None:
-        """Put ``params[k].grad`` into its slot, divided by ``divisor`` on the way (``None``: as is).
+        """Put ``params[k].grad`` into its slot, dividing it by ``divisor`` (``None``: as is).
 
         The overlapped wrapper calls it from the gradient's hook, as torch's reducer
         does: dividing while copying reads and writes the gradient once, where copying
@@ -271,14 +206,15 @@ def views_into(buffer: torch.Tensor, params: list[nn.Parameter]) -> list[torch.T
 
 def make_buckets(named_params, bucket_cap_mb: float,
                  assignment: list[list[int]] | None = None, grads_are_views: bool = True
-                 ) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+                 ) -> tuple[list[Bucket], Where]:
     """Allocate the flat buffers for ``named_params`` and the per-parameter views into them.
 
     Args:
         named_params: ``(name, parameter)`` pairs in registration order.
-        bucket_cap_mb: see :func:`assign_buckets`.
+        bucket_cap_mb: see :func:`~dpcourse.ddp.bucket_assignment.assign_buckets`.
         assignment: the buckets as lists of parameter indices, in reduction order;
-            ``None``: :func:`assign_buckets` with ``bucket_cap_mb``.
+            ``None``: :func:`~dpcourse.ddp.bucket_assignment.assign_buckets` with
+            ``bucket_cap_mb``.
         grads_are_views: see :class:`Bucket`.
 
     Returns:
@@ -297,6 +233,61 @@ def make_buckets(named_params, bucket_cap_mb: float,
         names = [named_params[i][0] for i in indices]
         buckets.append(Bucket(b, indices, names, params, buffer, views_into(buffer, params),
                               grads_are_views))
+    return buckets, where
+
+
+def buckets_in_order(named_params, bucket_cap_mb: float, order: list[int] | None = None, *,
+                     first_bucket_mb: float | None = None,
+                     gradient_as_bucket_view: bool = True) -> tuple[list[Bucket], Where]:
+    """Build a wrapper's buckets: in reverse registration order, or in ``order`` (a rebuild).
+
+    Args:
+        named_params: the trainable ``(name, parameter)`` pairs, registration order.
+        bucket_cap_mb: the cap of every bucket
+            (see :func:`~dpcourse.ddp.bucket_assignment.assign_buckets`).
+        order: parameter indices in the order their gradients arrived; ``None``:
+            reverse registration order, the guess before any backward ran.
+        first_bucket_mb: the cap of the first bucket; ``None``: ``bucket_cap_mb``.
+        gradient_as_bucket_view: ``param.grad`` is a view into its bucket
+            (see :class:`Bucket`).
+
+    Returns:
+        ``(buckets, where)``: the buckets in reduction order, and for each parameter
+        index ``(bucket index, position inside the bucket)``.
+    """
+    assignment = None   # lesson 05's assign_buckets: one cap, reverse registration order
+    if order is not None or first_bucket_mb is not None:
+        order = list(reversed(range(len(named_params)))) if order is None else order
+        assignment = assign_buckets_in_order([p for _, p in named_params], order, bucket_cap_mb,
+                                             first_bucket_mb)
+    return make_buckets(named_params, bucket_cap_mb, assignment, gradient_as_bucket_view)
+
+
+@torch.no_grad()
+def rebuild_buckets(named_params, arrival: list[int], device, group, bucket_cap_mb: float, *,
+                    first_bucket_mb: float | None = None,
+                    gradient_as_bucket_view: bool = True) -> tuple[list[Bucket], Where]:
+    """Build new buckets in rank 0's arrival order (one broadcast), keeping accumulated gradients.
+
+    Args:
+        named_params: the trainable ``(name, parameter)`` pairs, registration order.
+        arrival: the order this rank saw gradients arrive in its first synchronised backward.
+        device: device of the broadcast order (a GPU for NCCL).
+        group: process group (``None``: the default group).
+        bucket_cap_mb, first_bucket_mb, gradient_as_bucket_view: as :func:`buckets_in_order`.
+
+    Returns:
+        ``(buckets, where)``, as :func:`buckets_in_order`.
+    """
+    order = agree_on_order(arrival, len(named_params), device, group)
+    buckets, where = buckets_in_order(named_params, bucket_cap_mb, order,
+                                      first_bucket_mb=first_bucket_mb,
+                                      gradient_as_bucket_view=gradient_as_bucket_view)
+    if gradient_as_bucket_view:  # keep accumulated gradients, now in the new buckets
+        for bucket in buckets:
+            for k, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    bucket.attach_grad(k)
     return buckets, where
 
 

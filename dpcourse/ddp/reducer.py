@@ -11,7 +11,7 @@ four moments, and with its defaults every answer is the plain one):
   rank (``broadcast_buffers``; both in :mod:`~dpcourse.ddp.pre_forward`); search
   the graph for unused parameters (``find_unused_parameters``, ``static_graph``:
   :mod:`~dpcourse.ddp.unused`); rebuild the buckets once in the order gradients
-  arrived (``rebuild_buckets``: :mod:`~dpcourse.ddp.bucket_order`);
+  arrived (``rebuild_buckets``: :mod:`~dpcourse.ddp.bucket_assignment`);
 * **a gradient arrives** (:meth:`Reducer.note_used`, :meth:`Reducer.note_ready`):
   note it as used, and its arrival order;
 * **a bucket is reduced** (:meth:`Reducer.reduce_hook`, :meth:`Reducer.divisor`): a
@@ -42,9 +42,9 @@ from torch import nn
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
 from dpcourse.comm.collective import AllReduce, sum_over_ranks
-from dpcourse.ddp import bucket_order, guards
-from dpcourse.ddp.bucket_order import Where
-from dpcourse.ddp.buckets import Bucket, check_bucket_cap
+from dpcourse.ddp import buckets, guards
+from dpcourse.ddp.bucket_assignment import check_bucket_cap
+from dpcourse.ddp.buckets import Bucket, Where
 from dpcourse.ddp.comm_hooks import HookWork, check_comm_hook, hand_to_hook
 from dpcourse.ddp.join import JoinDivisor, WrapperJoinHook, find_common_rank
 from dpcourse.ddp.pre_forward import all_reduce_sync_flag, sync_buffers
@@ -66,7 +66,8 @@ class Reducer:
         module: the model the wrapper wraps (checked: :func:`~dpcourse.ddp.guards.check_wrappable`).
         group: process group to average over (``None``: the default group).
         all_reduce: the collective, see :func:`~dpcourse.comm.collective.sum_over_ranks`.
-        bucket_cap_mb: the bucketed wrappers' cap (see :func:`~dpcourse.ddp.buckets.assign_buckets`).
+        bucket_cap_mb: the bucketed wrappers' cap
+            (see :func:`~dpcourse.ddp.bucket_assignment.assign_buckets`).
         broadcast_buffers: copy the buffers of one rank to every rank before each
             forward (torch's default; under ``Join``, a rank still training).
         find_unused_parameters: after each forward, find the parameters it did not use
@@ -77,7 +78,7 @@ class Reducer:
             default ``bucket_cap_mb``); ``None``: ``bucket_cap_mb``. Bucketed wrappers only.
         rebuild_buckets: before the second forward, rebuild the buckets once in the order
             the gradients arrived in the first synchronised backward (rank 0's order,
-            broadcast), as torch's reducer does (see :mod:`dpcourse.ddp.bucket_order`).
+            broadcast), as torch's reducer does (see :mod:`dpcourse.ddp.bucket_assignment`).
         gradient_as_bucket_view: ``param.grad`` is a view into its bucket (torch's default
             is False, ours True). False keeps separate gradient tensors, copied in and out
             around each reduction.
@@ -120,18 +121,18 @@ class Reducer:
     def make_buckets(self, order: list[int] | None = None) -> tuple[list[Bucket], Where]:
         """Build the wrapper's buckets: reverse registration order, or ``order`` (a rebuild)."""
         assert self.bucket_cap_mb is not None, "a bucketed wrapper passes bucket_cap_mb"
-        return bucket_order.buckets_in_order(self.named_params, self.bucket_cap_mb, order,
-                                             first_bucket_mb=self.first_bucket_mb,
-                                             gradient_as_bucket_view=self.gradient_as_bucket_view)
+        return buckets.buckets_in_order(self.named_params, self.bucket_cap_mb, order,
+                                        first_bucket_mb=self.first_bucket_mb,
+                                        gradient_as_bucket_view=self.gradient_as_bucket_view)
 
     def rebuild(self) -> tuple[list[Bucket], Where]:
         """New buckets in rank 0's arrival order of the first synchronised backward."""
         assert self.bucket_cap_mb is not None, "a bucketed wrapper passes bucket_cap_mb"
         self.rebuild_pending = False
-        return bucket_order.rebuild_buckets(self.named_params, self.arrival, self.device,
-                                            self.group, self.bucket_cap_mb,
-                                            first_bucket_mb=self.first_bucket_mb,
-                                            gradient_as_bucket_view=self.gradient_as_bucket_view)
+        return buckets.rebuild_buckets(self.named_params, self.arrival, self.device,
+                                       self.group, self.bucket_cap_mb,
+                                       first_bucket_mb=self.first_bucket_mb,
+                                       gradient_as_bucket_view=self.gradient_as_bucket_view)
 
     # -- forward -----------------------------------------------------------------
     def pre_forward(self) -> bool:
@@ -196,8 +197,8 @@ class Reducer:
         return None if self.comm_hook is None else self._hand_to_comm_hook
 
     def _hand_to_comm_hook(self, bucket: Bucket) -> HookWork | None:
-        buckets = getattr(self._wrapper, "buckets", None)  # DataParallelNaive: one per parameter
-        last = len(buckets if buckets is not None else self.named_params) - 1
+        held = getattr(self._wrapper, "buckets", None)  # DataParallelNaive: one per parameter
+        last = len(held if held is not None else self.named_params) - 1
         return hand_to_hook(self.comm_hook, self.comm_hook_state, bucket, bucket.index == last,
                             self.group)
 

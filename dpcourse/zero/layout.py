@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dpcourse.comm.sharding import chunk_size
-from dpcourse.ddp.buckets import assign_buckets
+from dpcourse.ddp.bucket_assignment import assign_buckets
 
 
 @dataclass

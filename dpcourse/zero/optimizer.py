@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dpcourse.comm.sharding import shard_range
-from dpcourse.ddp.buckets import check_bucket_cap
+from dpcourse.ddp.bucket_assignment import check_bucket_cap
 from dpcourse.ddp.guards import check_same_model
 from dpcourse.zero import checkpoint
 from dpcourse.zero.collectives import all_gather

@@ -81,7 +81,7 @@ class OverlappedDDP(d.DDPExercise):
 
     name, exercise, title = "overlapped_ddp", "06", "Overlapped bucketed data parallelism"
     defines = (("main", "OverlappedDDP"),)
-    allowed_imports = {"dpcourse.ddp": {"assign_buckets"}, "dpcourse.ddp.buckets":
+    allowed_imports = {"dpcourse.ddp": {"assign_buckets"}, "dpcourse.ddp.bucket_assignment":
                        {"assign_buckets"}}
     criteria = (d.C_DDP, d.C_BROADCAST, d.C_AVERAGED, d.C_SINGLE,
                 Criterion("one_all_reduce_per_bucket", "each step issues exactly one all-reduce "
