@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse
-from dpcourse.ddp.bucket_assignment import assign_buckets, assign_buckets_in_order
+from dpcourse.ddp.bucket_assignment import assign_buckets
 from hook_helpers import train_with_hook
 from reducer_helpers import train_against_torch
 
@@ -133,7 +133,7 @@ def test_bucket_assignment_matches_torch_compute_bucket_assignment(seed):
     order = list(range(len(params)))
     rng.shuffle(order)
     first, cap = rng.choice([(0.0005, 0.002), (0.001, 0.001), (0.0, 0.003)])
-    ours = assign_buckets_in_order(params, order, cap, first)
+    ours = assign_buckets(params, cap, order=order, first_bucket_mb=first)
     theirs, _ = dist._compute_bucket_assignment_by_size(
         [params[i] for i in order], [int(first * 2**20), int(cap * 2**20)],
         [False] * len(params), order)
@@ -141,7 +141,8 @@ def test_bucket_assignment_matches_torch_compute_bucket_assignment(seed):
 
 
 @pytest.mark.parametrize("cap", [0.0, 0.0005, 0.002, 25.0])
-def test_in_order_assignment_reduces_to_the_plain_one(cap):
+def test_the_default_order_is_reverse_registration_and_the_first_cap_the_cap(cap):
     params = [torch.zeros(n) for n in (7, 300, 5, 120, 64, 1)]
     order = list(reversed(range(len(params))))
-    assert assign_buckets_in_order(params, order, cap) == assign_buckets(params, cap)
+    explicit = assign_buckets(params, cap, order=order, first_bucket_mb=cap)
+    assert explicit == assign_buckets(params, cap)

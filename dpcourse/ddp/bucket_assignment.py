@@ -1,6 +1,6 @@
 """Which gradients share a bucket: the cap, a small first bucket, the rebuild in arrival order.
 
-**The plain rule** (:func:`assign_buckets`). Buckets are filled in
+**The plain rule** (:func:`assign_buckets` with its defaults). Buckets are filled in
 REVERSE parameter order: backward produces the last layer's gradients first,
 so the first bucket is the first one complete. A bucket closes as soon as it
 holds at least ``bucket_cap_mb`` (the tensor that crosses the cap stays in it,
@@ -8,17 +8,17 @@ so a bucket may exceed the cap by one tensor, exactly as in torch DDP's
 ``_compute_bucket_assignment_by_size``). Tensors are never split, so this rule
 needs no special case: a tensor larger than the cap simply forms a bucket of
 its own, and ``bucket_cap_mb=0`` gives one bucket per parameter. Every bucket
-it makes has the same cap.
+has the same cap.
 
-torch's reducer does two things this plain rule does not:
+torch's reducer does two things more, which :func:`assign_buckets` does when asked:
 
-* **A small first bucket** (:func:`assign_buckets_in_order`, the wrappers'
+* **A small first bucket** (``assign_buckets(..., first_bucket_mb=)``, the wrappers'
   ``first_bucket_mb=``). The first bucket to be reduced closes at
   ``first_bucket_mb`` (torch: 1 MiB when ``bucket_cap_mb`` is left at its
   default), the others at ``bucket_cap_mb``. The first all-reduce then starts
   after a few gradients instead of after 25 MiB of them, so communication
   begins earlier in backward.
-* **A rebuild in arrival order** (:func:`assign_buckets_in_order` with the
+* **A rebuild in arrival order** (``assign_buckets(..., order=)`` with the
   ``order`` of :func:`agree_on_order`). Registration order is only a guess of the
   order gradients are produced. During the first synchronised backward the
   reducer records the order in which they really arrive, and before the next
@@ -73,7 +73,8 @@ def _size_and_key(item):
     raise TypeError(f"assign_buckets takes tensors or sizes in bytes (ints >= 0), got {item!r}.")
 
 
-def assign_buckets(params, bucket_cap_mb: float = 25.0) -> list[list[int]]:
+def assign_buckets(params, bucket_cap_mb: float = 25.0, *, order=None,
+                   first_bucket_mb: float | None = None) -> list[list[int]]:
     """Split parameters into buckets, filled in reverse order and closed once they reach the cap.
 
     Args:
@@ -81,66 +82,37 @@ def assign_buckets(params, bucket_cap_mb: float = 25.0) -> list[list[int]]:
             or sizes in bytes, in the order the model registers its parameters.
         bucket_cap_mb: a bucket closes once it holds at least this many MiB;
             0 gives one bucket per parameter.
+        order: parameter indices in the order their gradients arrive (a rebuild, lesson 11);
+            ``None``: reverse registration order, the guess before any backward ran.
+        first_bucket_mb: the cap of the first bucket of each kind (torch's small first
+            bucket, lesson 11); ``None``: ``bucket_cap_mb``.
 
     Returns:
         Buckets in the order they become complete during backward, each a list of
-        indices into ``params`` (largest index first, the order gradients arrive).
+        indices into ``params`` in the order their gradients arrive.
         Example: sizes ``[4, 4, 4]`` bytes with a cap of 8 bytes give ``[[2, 1], [0]]``.
     """
     cap = check_bucket_cap(bucket_cap_mb) * MiB
+    first = cap if first_bucket_mb is None else check_bucket_cap(first_bucket_mb) * MiB
     items = [_size_and_key(p) for p in params]
+    order = list(reversed(range(len(items)))) if order is None else list(order)
     open_buckets: dict = {}  # (dtype, device) -> (indices, bytes)
+    closed: set = set()      # the kinds whose first bucket has closed
     buckets: list[list[int]] = []
-    for i in reversed(range(len(items))):
+    for i in order:
         size, key = items[i]
         indices, total = open_buckets.pop(key, ([], 0))
         indices.append(i)
         total += size
-        if total >= cap:  # close with the crossing tensor inside, as torch does
+        if total >= (cap if key in closed else first):  # the crossing tensor stays, as in torch
             buckets.append(indices)
+            closed.add(key)
         else:
             open_buckets[key] = (indices, total)
     buckets.extend(indices for indices, _ in open_buckets.values())
-    # A bucket is complete when its last-filled (lowest-index) gradient arrives.
-    buckets.sort(key=lambda b: -b[-1])
-    return buckets
-
-
-def assign_buckets_in_order(params, order, bucket_cap_mb: float = 25.0,
-                            first_bucket_mb: float | None = None) -> list[list[int]]:
-    """Fill buckets in ``order``; the first bucket of each dtype closes at ``first_bucket_mb``.
-
-    Args:
-        params: tensors, indexed by the entries of ``order`` (one bucket holds one dtype
-            and device).
-        order: parameter indices in the order their gradients arrive.
-        bucket_cap_mb: a bucket closes once it holds at least this many MiB
-            (the tensor that crosses the cap stays in it).
-        first_bucket_mb: the cap of the first bucket; ``None``: ``bucket_cap_mb``.
-
-    Returns:
-        Buckets in the order they become complete, each a list of indices in arrival order.
-    """
-    cap = check_bucket_cap(bucket_cap_mb) * MiB
-    first = cap if first_bucket_mb is None else check_bucket_cap(first_bucket_mb) * MiB
+    # A bucket is complete when its last gradient arrives.
     position = {i: k for k, i in enumerate(order)}
-    open_buckets: dict = {}   # (dtype, device) -> (indices, bytes)
-    closed_per_key: dict = {}  # how many buckets each kind has closed
-    buckets = []
-    for i in order:
-        p = params[i]
-        key = (p.dtype, p.device)
-        indices, total = open_buckets.pop(key, ([], 0))
-        indices.append(i)
-        total += p.numel() * p.element_size()
-        limit = first if closed_per_key.get(key, 0) == 0 else cap
-        if total >= limit:
-            buckets.append(indices)
-            closed_per_key[key] = closed_per_key.get(key, 0) + 1
-        else:
-            open_buckets[key] = (indices, total)
-    buckets.extend(indices for indices, _ in open_buckets.values())
-    buckets.sort(key=lambda b: position[b[-1]])  # complete when its last gradient arrives
+    buckets.sort(key=lambda b: position[b[-1]])
     return buckets
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dpcourse.comm.averaging import divide_before_sum
-from dpcourse.ddp.bucket_assignment import agree_on_order, assign_buckets, assign_buckets_in_order
+from dpcourse.ddp.bucket_assignment import agree_on_order, assign_buckets
 from dpcourse.formatting import MiB
 
 Where = dict[int, tuple[int, int]]  # parameter index -> (bucket, slot in it)
@@ -255,11 +255,10 @@ def buckets_in_order(named_params, bucket_cap_mb: float, order: list[int] | None
         ``(buckets, where)``: the buckets in reduction order, and for each parameter
         index ``(bucket index, position inside the bucket)``.
     """
-    assignment = None   # lesson 05's assign_buckets: one cap, reverse registration order
+    assignment = None   # make_buckets' own: one cap, reverse registration order
     if order is not None or first_bucket_mb is not None:
-        order = list(reversed(range(len(named_params)))) if order is None else order
-        assignment = assign_buckets_in_order([p for _, p in named_params], order, bucket_cap_mb,
-                                             first_bucket_mb)
+        assignment = assign_buckets([p for _, p in named_params], bucket_cap_mb, order=order,
+                                    first_bucket_mb=first_bucket_mb)
     return make_buckets(named_params, bucket_cap_mb, assignment, gradient_as_bucket_view)
 
 
