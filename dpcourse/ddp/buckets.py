@@ -243,8 +243,8 @@ def buckets_in_order(named_params, bucket_cap_mb: float, order: list[int] | None
 
     Args:
         named_params: the trainable ``(name, parameter)`` pairs, registration order.
-        bucket_cap_mb: the cap of every bucket
-            (see :func:`~dpcourse.ddp.bucket_assignment.assign_buckets`).
+        bucket_cap_mb: the cap of the buckets, the first one's too unless ``first_bucket_mb``
+            is given (see :func:`~dpcourse.ddp.bucket_assignment.assign_buckets`).
         order: parameter indices in the order their gradients arrived; ``None``:
             reverse registration order, the guess before any backward ran.
         first_bucket_mb: the cap of the first bucket; ``None``: ``bucket_cap_mb``.
@@ -255,10 +255,8 @@ def buckets_in_order(named_params, bucket_cap_mb: float, order: list[int] | None
         ``(buckets, where)``: the buckets in reduction order, and for each parameter
         index ``(bucket index, position inside the bucket)``.
     """
-    assignment = None   # make_buckets' own: one cap, reverse registration order
-    if order is not None or first_bucket_mb is not None:
-        assignment = assign_buckets([p for _, p in named_params], bucket_cap_mb, order=order,
-                                    first_bucket_mb=first_bucket_mb)
+    assignment = assign_buckets([p for _, p in named_params], bucket_cap_mb, order=order,
+                                first_bucket_mb=first_bucket_mb)
     return make_buckets(named_params, bucket_cap_mb, assignment, gradient_as_bucket_view)
 
 
