@@ -204,47 +204,19 @@ def views_into(buffer: torch.Tensor, params: list[nn.Parameter]) -> list[torch.T
     return views
 
 
-def make_buckets(named_params, bucket_cap_mb: float,
-                 assignment: list[list[int]] | None = None, grads_are_views: bool = True
-                 ) -> tuple[list[Bucket], Where]:
-    """Allocate the flat buffers for ``named_params`` and the per-parameter views into them.
-
-    Args:
-        named_params: ``(name, parameter)`` pairs in registration order.
-        bucket_cap_mb: see :func:`~dpcourse.ddp.bucket_assignment.assign_buckets`.
-        assignment: the buckets as lists of parameter indices, in reduction order;
-            ``None``: :func:`~dpcourse.ddp.bucket_assignment.assign_buckets` with
-            ``bucket_cap_mb``.
-        grads_are_views: see :class:`Bucket`.
-
-    Returns:
-        ``(buckets, where)``: the buckets in reduction order, and for each parameter
-        index ``(bucket index, position inside the bucket)``.
-    """
-    buckets, where = [], {}
-    if assignment is None:
-        assignment = assign_buckets([p for _, p in named_params], bucket_cap_mb)
-    for b, indices in enumerate(assignment):
-        params = [named_params[i][1] for i in indices]
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                             device=params[0].device)
-        for k, i in enumerate(indices):
-            where[i] = (b, k)
-        names = [named_params[i][0] for i in indices]
-        buckets.append(Bucket(b, indices, names, params, buffer, views_into(buffer, params),
-                              grads_are_views))
-    return buckets, where
-
-
 def buckets_in_order(named_params, bucket_cap_mb: float, order: list[int] | None = None, *,
                      first_bucket_mb: float | None = None,
                      gradient_as_bucket_view: bool = True) -> tuple[list[Bucket], Where]:
     """Build a wrapper's buckets: in reverse registration order, or in ``order`` (a rebuild).
 
+    Which parameters share a bucket is
+    :func:`~dpcourse.ddp.bucket_assignment.assign_buckets`'s answer; here each
+    bucket gets its flat buffer and a view into it per parameter.
+
     Args:
         named_params: the trainable ``(name, parameter)`` pairs, registration order.
         bucket_cap_mb: the cap of the buckets, the first one's too unless ``first_bucket_mb``
-            is given (see :func:`~dpcourse.ddp.bucket_assignment.assign_buckets`).
+            is given.
         order: parameter indices in the order their gradients arrived; ``None``:
             reverse registration order, the guess before any backward ran.
         first_bucket_mb: the cap of the first bucket; ``None``: ``bucket_cap_mb``.
@@ -257,7 +229,17 @@ def buckets_in_order(named_params, bucket_cap_mb: float, order: list[int] | None
     """
     assignment = assign_buckets([p for _, p in named_params], bucket_cap_mb, order=order,
                                 first_bucket_mb=first_bucket_mb)
-    return make_buckets(named_params, bucket_cap_mb, assignment, gradient_as_bucket_view)
+    buckets, where = [], {}
+    for b, indices in enumerate(assignment):
+        params = [named_params[i][1] for i in indices]
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                             device=params[0].device)
+        for k, i in enumerate(indices):
+            where[i] = (b, k)
+        names = [named_params[i][0] for i in indices]
+        buckets.append(Bucket(b, indices, names, params, buffer, views_into(buffer, params),
+                              gradient_as_bucket_view))
+    return buckets, where
 
 
 @torch.no_grad()
